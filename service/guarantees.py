@@ -1,0 +1,147 @@
+"""Exact small-sum privacy and large-sum utility of decoy groups (SPEC §2.1).
+
+A value with true count f has published count f′ ~ Binomial(γ·f, 1/γ), so its
+relative error has an exact distribution and every guarantee is a binomial
+tail, computed here exactly:
+
+- deviation probability at f:  P(|f′ − f| > ε·f)  (privacy convention, strict)
+  or P(|f′ − f| ≥ ε·f) (utility convention);
+- small-sum privacy (journal Definition 2, Lemma 2):
+  T_P(ε, α) = min over f = 1..α of P(|f′ − f| > ε·f);
+- large-sum utility (journal Definition 1): the smallest T_f with
+  P(|f′ − f| ≥ ε·f) ≤ T_E for *every* f ≥ T_f.
+
+The papers bound utility with Chebyshev but square n where it should not
+(seed notes 001 §6.1, §10.13): their T_f = √(1/(γ ε² T_E)) is an order of
+magnitude too small. `chebyshev_thresholds` gives both Chebyshev figures for
+comparison only.
+
+Window boundaries use exact rational arithmetic: ε is read as the decimal it
+was written as, so 0.3·10 is exactly 3 and the window is never off by one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+
+import numpy as np
+from scipy import stats
+
+
+def as_fraction(value: float | str | Fraction, name: str = "epsilon") -> Fraction:
+    """The exact rational a user meant by a decimal like 0.3 (not 0.299999...)."""
+    try:
+        exact = Fraction(str(value)) if isinstance(value, float) else Fraction(value)
+    except (ValueError, ZeroDivisionError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+    if exact <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return exact
+
+
+def _check_gamma(gamma: int) -> None:
+    if isinstance(gamma, bool) or not isinstance(gamma, int | np.integer) or gamma < 2:
+        raise ValueError(f"gamma must be an integer ≥ 2, got {gamma!r}")
+
+
+def deviation_probability(
+    f: int | np.ndarray, gamma: int, epsilon: float | Fraction, strict: bool = True
+) -> np.ndarray:
+    """P(|f′ − f| > ε·f) (strict) or P(|f′ − f| ≥ ε·f) for f′ ~ Bin(γ·f, 1/γ).
+
+    Vectorized over integer true counts f ≥ 1. For the papers' example
+    (f = 5, γ = 10, ε = 0.3) the count stays within ±30% with probability
+    0.5199, so the strict deviation probability is 0.4801.
+    """
+    _check_gamma(gamma)
+    eps = as_fraction(epsilon)
+    f = np.asarray(f, dtype=np.int64)
+    if (f < 1).any():
+        raise ValueError("true counts must be at least 1")
+    scaled = f * eps.numerator  # ε·f = scaled / denominator, exactly
+    half_width = scaled // eps.denominator
+    if not strict:
+        # |x − f| ≥ εf excludes the boundary when εf is an integer.
+        half_width = half_width - (scaled % eps.denominator == 0)
+    lowest_inside = f - half_width
+    highest_inside = f + half_width
+    n = gamma * f
+    p = 1.0 / gamma
+    below = np.where(lowest_inside > 0, stats.binom.cdf(lowest_inside - 1, n, p), 0.0)
+    above = stats.binom.sf(highest_inside, n, p)
+    return below + above
+
+
+@dataclass(frozen=True)
+class PrivacyGuarantee:
+    """T_P(ε, α): every value with true count 1..α deviates by more than ε·f with
+    probability at least `threshold` (reached at `worst_count`)."""
+
+    gamma: int
+    epsilon: float
+    alpha: int
+    threshold: float
+    worst_count: int
+    curve: tuple[float, ...]
+
+
+def privacy_threshold(gamma: int, epsilon: float, alpha: int) -> PrivacyGuarantee:
+    """T_P(ε, α) = min over f = 1..α of P(|f′ − f| > ε·f) (journal Lemma 2, Thm. 4).
+
+    The curve is not monotone in f (integer rounding of the window), which
+    is why every f up to α is checked.
+    """
+    if isinstance(alpha, bool) or not isinstance(alpha, int | np.integer) or alpha < 1:
+        raise ValueError(f"alpha must be an integer ≥ 1, got {alpha!r}")
+    curve = deviation_probability(np.arange(1, alpha + 1), gamma, epsilon, strict=True)
+    worst = int(np.argmin(curve))
+    return PrivacyGuarantee(
+        gamma, float(epsilon), int(alpha), float(curve[worst]), worst + 1, tuple(curve.tolist())
+    )
+
+
+@dataclass(frozen=True)
+class UtilityGuarantee:
+    """Every value with true count ≥ `threshold` has P(|f′ − f| ≥ ε·f) ≤ T_E."""
+
+    gamma: int
+    epsilon: float
+    error_tolerance: float
+    threshold: int
+    checked_up_to: int
+
+
+def utility_threshold(gamma: int, epsilon: float, error_tolerance: float) -> UtilityGuarantee:
+    """The smallest T_f with P(|f′ − f| ≥ ε·f) ≤ T_E for all f ≥ T_f (Definition 1).
+
+    The exact probability is not monotone in f, so "for all f" is settled
+    rigorously: by the Chernoff bounds for a sum of Bernoullis with mean f,
+    P(|f′ − f| ≥ ε·f) ≤ 2·exp(−ε²·f/(2+ε)), which is ≤ T_E for every
+    f ≥ F = (2+ε)·ln(2/T_E)/ε². Every f below F is checked exactly.
+    """
+    _check_gamma(gamma)
+    eps = float(as_fraction(epsilon))
+    if not 0 < error_tolerance < 1:
+        raise ValueError(f"the error tolerance T_E must lie in (0, 1), got {error_tolerance}")
+    certified_from = math.ceil((2 + eps) * math.log(2 / error_tolerance) / eps**2)
+    counts = np.arange(1, certified_from + 1)
+    failing = np.flatnonzero(
+        deviation_probability(counts, gamma, epsilon, strict=False) > error_tolerance
+    )
+    threshold = int(counts[failing[-1]]) + 1 if len(failing) else 1
+    return UtilityGuarantee(gamma, eps, float(error_tolerance), threshold, certified_from)
+
+
+def chebyshev_thresholds(gamma: int, epsilon: float, error_tolerance: float) -> dict[str, float]:
+    """The papers' Chebyshev T_f (eq. 5, with the n² slip) and the corrected one.
+
+    Both are loose or wrong; they are reported next to the exact threshold so
+    the difference is visible, never used for a decision.
+    """
+    eps = float(as_fraction(epsilon))
+    return {
+        "paper": math.sqrt(1.0 / (gamma * eps**2 * error_tolerance)),
+        "corrected": (gamma - 1) / (gamma * eps**2 * error_tolerance),
+    }

@@ -1,0 +1,428 @@
+"""Count reconstruction from a decoy-group publication (SPEC §2.1, seed 000 §4–5).
+
+The published rows are first aggregated into *cells* (distinct combinations
+of all published columns with their counts), so a query costs a pass over
+the cells, not over the rows.
+
+Sensitive-only count: the published count f′_s is unbiased and the MLE.
+
+Conjunctive count "public predicate P ∧ s_1 ∧ … ∧ s_w": original state i
+(P-bit, then one bit per sensitive attribute) goes to published state j with
+probability M[i, j], M = I₂ ⊗ M_1 ⊗ … ⊗ M_w (public values never change),
+
+    M_k = [[1 − t_k, t_k], [(γ−1)/γ, 1/γ]],  t_k = (γ−1)·f_k / (γ·(N − f_k)),
+
+where t_k is the chance a record without s_k publishes s_k. The papers use
+t_k = f_k/N, which makes E f′_s ≠ f_s (seed notes 001 §10.7); it stays
+selectable as ``matrix="paper"``. With f_k estimated by its published count,
+E[y] = Mᵀx inverts in closed form inside the P block:
+
+    x̂ = Σ_j W_j·y_j,  W = ⊗_k [−t_k, 1 − t_k] / (1/γ − t_k),
+
+clipped to [0, |P|]. Its variance under the model, with x̂ plugged in, is
+Σ_i x_i·(Σ_j M_ij W_j² − δ_i,last), which gives the error bar. The papers'
+iterative Bayesian method (x⁰ = y, t recomputed from x every iteration) is
+kept as ``method="iterative"`` with an absolute stopping tolerance, because
+their 1% relative rule stops after one step (seed notes 001 §10.10).
+
+When f_k reaches N/γ every group contains s_k, 1/γ − t_k = 0 and P ∧ s_k is
+not identifiable; such answers fall back to |P|·f_k/N with the interval
+[0, |P|].
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import stats
+
+from service.table import Table
+
+METHODS = ("closed", "iterative")
+MATRICES = ("corrected", "paper")
+# Below this, 1/γ − t is treated as zero: the conjunctive count is not identifiable.
+_IDENTIFIABLE = 1e-9
+
+
+class QueryError(ValueError):
+    """A query that cannot be answered as written."""
+
+
+@dataclass(frozen=True)
+class Query:
+    """Rows with public column c in `where[c]` (any listed value) and the given
+    published sensitive values."""
+
+    where: Mapping[str, tuple[str, ...]]
+    value: Mapping[str, str]
+
+    @classmethod
+    def from_json(cls, obj: object) -> Query:
+        if not isinstance(obj, Mapping):
+            raise QueryError('a query is an object like {"where": {...}, "value": {...}}')
+        unknown = set(obj) - {"where", "value"}
+        if unknown:
+            raise QueryError(f"unknown query key {sorted(unknown)[0]!r}; use where and value")
+        where = obj.get("where", {})
+        value = obj.get("value", {})
+        if not isinstance(where, Mapping) or not isinstance(value, Mapping):
+            raise QueryError('"where" and "value" must be objects')
+        parsed_where = {}
+        for column, wanted in where.items():
+            options = wanted if isinstance(wanted, list) else [wanted]
+            if not options:
+                raise QueryError(f"where.{column}: the list of values is empty")
+            parsed_where[column] = tuple(_label(column, v) for v in options)
+        parsed_value = {column: _label(column, v) for column, v in value.items()}
+        return cls(parsed_where, parsed_value)
+
+
+def _label(column: str, value: object) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    raise QueryError(f"{column}: values are strings (or integers), got {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    estimate: float
+    low: float | None
+    high: float | None
+    published: int
+    predicate_rows: int
+    identifiable: bool = True
+    iterations: int = 0
+
+
+class PublishedCells:
+    """A published table aggregated to distinct cells with counts."""
+
+    def __init__(
+        self,
+        columns: Sequence[str],
+        domains: Mapping[str, Sequence[str]],
+        cells: np.ndarray,
+        counts: np.ndarray,
+    ) -> None:
+        self.columns = list(columns)
+        self.domains = {c: tuple(domains[c]) for c in self.columns}
+        self._codes = {c: {v: i for i, v in enumerate(self.domains[c])} for c in self.columns}
+        self.cells = cells
+        self.counts = counts.astype(np.int64)
+        self.total = int(self.counts.sum())
+        # Queries scan whole columns: contiguous copies and float weights, made once.
+        self.column = {c: np.ascontiguousarray(cells[:, i]) for i, c in enumerate(self.columns)}
+        self.weights = self.counts.astype(np.float64)
+
+    @classmethod
+    def from_codes(
+        cls,
+        columns: Sequence[str],
+        domains: Mapping[str, Sequence[str]],
+        codes: Sequence[np.ndarray],
+    ) -> PublishedCells:
+        sizes = [len(domains[c]) for c in columns]
+        stacked = np.column_stack([np.asarray(c, dtype=np.int64) for c in codes])
+        if math.prod(sizes) < 2**62:
+            # Mixed-radix key: one 1-D unique instead of a row-wise one.
+            radix = np.cumprod([1, *sizes[:0:-1]])[::-1]
+            keys, counts = np.unique(stacked @ radix, return_counts=True)
+            cells = (keys[:, None] // radix) % np.asarray(sizes)
+        else:
+            cells, counts = np.unique(stacked, axis=0, return_counts=True)
+        return cls(columns, domains, cells.astype(np.int32), counts)
+
+    @classmethod
+    def from_table(cls, table: Table) -> PublishedCells:
+        names = table.schema.names
+        domains = {n: table.schema[n].domain for n in names}
+        return cls.from_codes(names, domains, [table.codes[n] for n in names])
+
+    @classmethod
+    def from_rows(cls, header: Sequence[str], rows: Sequence[Sequence[str]]) -> PublishedCells:
+        """From published CSV rows; each column's domain is the values it shows."""
+        codes, domains = [], {}
+        for i, name in enumerate(header):
+            lookup: dict[str, int] = {}
+            codes.append(
+                np.fromiter(
+                    (lookup.setdefault(row[i], len(lookup)) for row in rows), np.int64, len(rows)
+                )
+            )
+            domains[name] = list(lookup)
+        return cls.from_codes(header, domains, codes)
+
+    def code(self, column: str, label: str) -> int:
+        """Code of `label`, or -1 when the published data never shows it."""
+        return self._codes[column].get(label, -1)
+
+    def predicate(self, where: Mapping[str, tuple[str, ...]]) -> np.ndarray:
+        """Boolean mask over cells: every named column takes one of the listed values."""
+        mask = np.ones(len(self.counts), dtype=bool)
+        for column, labels in where.items():
+            wanted = [c for c in (self.code(column, v) for v in labels) if c >= 0]
+            column_codes = self.column[column]
+            if len(wanted) == 1:
+                mask &= column_codes == wanted[0]
+            else:
+                mask &= np.isin(column_codes, wanted)
+        return mask
+
+
+class DecoyReconstruction:
+    """Answers count queries on a decoy-group publication with group size γ.
+
+    Parameters
+    ----------
+    cells: the published table, aggregated.
+    gamma: the published group size γ.
+    sensitive: names of the randomized columns; every other column is public.
+    method: ``"closed"`` (default) or ``"iterative"`` (the papers' EM).
+    matrix: ``"corrected"`` (default) or ``"paper"`` (t = f/N).
+    tolerance, max_iterations: stopping rule of the iterative method, in
+        tuples (absolute change of every state count).
+    confidence: coverage of the [low, high] interval of the closed form.
+    clip: keep estimates and intervals inside [0, |P|] (default). The raw
+        linear estimate is unbiased under the model; clipping trades that for
+        feasible answers, so sums of many estimates should use clip=False.
+    """
+
+    def __init__(
+        self,
+        cells: PublishedCells,
+        gamma: int,
+        sensitive: Sequence[str],
+        method: str = "closed",
+        matrix: str = "corrected",
+        tolerance: float = 0.01,
+        max_iterations: int = 10_000,
+        confidence: float = 0.95,
+        clip: bool = True,
+    ) -> None:
+        if isinstance(gamma, bool) or not isinstance(gamma, int | np.integer) or gamma < 2:
+            raise ValueError(f"gamma must be an integer ≥ 2, got {gamma!r}")
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+        if matrix not in MATRICES:
+            raise ValueError(f"matrix must be one of {', '.join(MATRICES)}, got {matrix!r}")
+        if not tolerance > 0 or max_iterations < 1:
+            raise ValueError("the iterative method needs tolerance > 0 and max_iterations ≥ 1")
+        if not 0 < confidence < 1:
+            raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
+        missing = [c for c in sensitive if c not in cells.columns]
+        if missing:
+            raise ValueError(
+                f"sensitive column {missing[0]!r} is not in the published data "
+                f"(columns: {', '.join(cells.columns)})"
+            )
+        self.cells = cells
+        self.gamma = int(gamma)
+        self.sensitive = list(sensitive)
+        self.public = [c for c in cells.columns if c not in self.sensitive]
+        self.method = method
+        self.matrix = matrix
+        self.tolerance = tolerance
+        self.max_iterations = max_iterations
+        self.confidence = confidence
+        self.clip = clip
+        self._z = float(stats.norm.ppf(0.5 + confidence / 2))
+
+    def check(self, query: Query) -> None:
+        for column in query.where:
+            if column in self.sensitive:
+                raise QueryError(
+                    f'where.{column}: {column!r} is sensitive; ask for it under "value"'
+                )
+            if column not in self.public:
+                raise QueryError(f"where.{column}: no such public column")
+        for column in query.value:
+            if column not in self.sensitive:
+                raise QueryError(f"value.{column}: {column!r} is not a sensitive column")
+
+    def estimate(self, query: Query) -> Estimate:
+        return self.estimate_many([query])[0]
+
+    def estimate_many(self, queries: Sequence[Query]) -> list[Estimate]:
+        """Answer many queries, solving those over the same sensitive columns together."""
+        for query in queries:
+            self.check(query)
+        answers: list[Estimate | None] = [None] * len(queries)
+        batches: dict[tuple[str, ...], list[int]] = {}
+        for i, query in enumerate(queries):
+            batches.setdefault(tuple(c for c in self.sensitive if c in query.value), []).append(i)
+        for columns, members in batches.items():
+            solved = self._solve([queries[i] for i in members], list(columns))
+            for i, answer in zip(members, solved, strict=True):
+                answers[i] = answer
+        return answers  # type: ignore[return-value]
+
+    def _states(self, queries: Sequence[Query], columns: list[str]) -> np.ndarray:
+        """Published counts per state, (Q, 2^(w+1)): P-bit highest, then one bit per column."""
+        cells = self.cells
+        w = len(columns)
+        out = np.zeros((len(queries), 2 ** (w + 1)), dtype=np.float64)
+        for q, query in enumerate(queries):
+            state = cells.predicate(query.where).astype(np.intp)
+            for column in columns:
+                state <<= 1
+                state |= cells.column[column] == cells.code(column, query.value[column])
+            out[q] = np.bincount(state, weights=cells.weights, minlength=2 ** (w + 1))
+        return out
+
+    def _off_diagonal(self, f: np.ndarray, n: float) -> np.ndarray:
+        """t: probability that a record without s publishes s."""
+        g = self.gamma
+        if self.matrix == "paper":
+            return f / n
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(f < n, (g - 1) * f / (g * (n - f)), np.inf)
+
+    def _solve(self, queries: Sequence[Query], columns: list[str]) -> list[Estimate]:
+        y = self._states(queries, columns)
+        half = y.shape[1] // 2
+        y_predicate = y[:, half:]
+        rows = y_predicate.sum(axis=1)
+        published = y[:, -1].astype(np.int64)
+        if not columns:
+            return [Estimate(float(r), float(r), float(r), int(r), int(r)) for r in rows]
+        n = float(self.cells.total)
+        f = y @ _state_bits(len(columns), y.shape[1])  # published count of each s_k
+        t = self._off_diagonal(f, n)
+        identifiable = (1.0 / self.gamma - t > _IDENTIFIABLE).all(axis=1)
+        if self.method == "iterative":
+            values, iterations = self._iterate(y, len(columns))
+            low, high = np.full(len(queries), np.nan), np.full(len(queries), np.nan)
+        else:
+            values, low, high = self._closed_form(y_predicate, t, rows, identifiable)
+            iterations = np.zeros(len(queries), dtype=np.int64)
+        sensitive_only = np.asarray([not q.where for q in queries]) & (len(columns) == 1)
+        if sensitive_only.any():
+            # A value's published count over the whole table is its unbiased MLE
+            # (seed 001 Thm. 3) whichever method answers conjunctions.
+            values[sensitive_only] = published[sensitive_only]
+            low[sensitive_only], high[sensitive_only] = self._sensitive_only_interval(
+                published[sensitive_only]
+            )
+            identifiable = identifiable | sensitive_only
+        fallback = rows * np.prod(np.minimum(f / n, 1.0), axis=1) if n else rows * 0
+        answers = []
+        for q in range(len(queries)):
+            if identifiable[q]:
+                answers.append(
+                    Estimate(
+                        float(values[q]),
+                        _optional(low[q]),
+                        _optional(high[q]),
+                        int(published[q]),
+                        int(rows[q]),
+                        True,
+                        int(iterations[q]),
+                    )
+                )
+            else:
+                answers.append(
+                    Estimate(
+                        float(fallback[q]),
+                        0.0,
+                        float(rows[q]),
+                        int(published[q]),
+                        int(rows[q]),
+                        False,
+                        int(iterations[q]),
+                    )
+                )
+        return answers
+
+    def _closed_form(
+        self, y_predicate: np.ndarray, t: np.ndarray, rows: np.ndarray, identifiable: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        g = self.gamma
+        safe_t = np.where(identifiable[:, None], t, 0.0)
+        determinant = 1.0 / g - safe_t
+        transition = np.ones((len(t), 1, 1))
+        inverse_transposed = np.ones((len(t), 1, 1))
+        for k in range(t.shape[1]):
+            tk, dk = safe_t[:, k], determinant[:, k]
+            m = np.empty((len(t), 2, 2))
+            m[:, 0, 0], m[:, 0, 1], m[:, 1, 0], m[:, 1, 1] = 1 - tk, tk, (g - 1) / g, 1 / g
+            transition = _batched_kron(transition, m)
+            inv_t = np.empty((len(t), 2, 2))
+            inv_t[:, 0, 0], inv_t[:, 0, 1] = 1 / g, -(g - 1) / g
+            inv_t[:, 1, 0], inv_t[:, 1, 1] = -tk, 1 - tk
+            inverse_transposed = _batched_kron(inverse_transposed, inv_t / dk[:, None, None])
+        # The estimate is the last state of x̂ = M⁻ᵀ y; its row of M⁻ᵀ is the weight vector.
+        weights = inverse_transposed[:, -1, :]
+        raw = np.einsum("qj,qj->q", weights, y_predicate)
+        states = np.clip(np.einsum("qij,qj->qi", inverse_transposed, y_predicate), 0, None)
+        spread = np.einsum("qij,qj->qi", transition, weights**2)
+        spread[:, -1] -= 1.0
+        variance = np.clip(np.einsum("qi,qi->q", states, spread), 0, None)
+        margin = self._z * np.sqrt(variance)
+        if not self.clip:
+            return raw, raw - margin, raw + margin
+        return np.clip(raw, 0, rows), np.clip(raw - margin, 0, rows), np.clip(raw + margin, 0, rows)
+
+    def _sensitive_only_interval(self, published: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Exact interval for f from f′ ~ Bin(γf, 1/γ): the f not rejected at either tail."""
+        g, tail = self.gamma, (1 - self.confidence) / 2
+        low, high = np.empty(len(published)), np.empty(len(published))
+        for q, observed in enumerate(published):
+            spread = int(10 * math.sqrt(observed + 1)) + 10
+            f = np.arange(max(observed - spread, 0), observed + spread + 1)
+            upper_tail = stats.binom.sf(observed - 1, g * f, 1 / g)  # P(f′ ≥ observed | f)
+            lower_tail = stats.binom.cdf(observed, g * f, 1 / g)  # P(f′ ≤ observed | f)
+            low[q] = f[upper_tail > tail].min()
+            high[q] = f[lower_tail > tail].max()
+        return low, high
+
+    def _iterate(self, y: np.ndarray, w: int) -> tuple[np.ndarray, np.ndarray]:
+        """The papers' iterative Bayesian reconstruction, vectorized over queries."""
+        g, q_count, size = self.gamma, len(y), y.shape[1]
+        n = y.sum(axis=1)
+        x = y.copy()
+        iterations = np.zeros(q_count, dtype=np.int64)
+        active = np.ones(q_count, dtype=bool)
+        bits = _state_bits(w, size)
+        for _ in range(self.max_iterations):
+            if not active.any():
+                break
+            xa, ya = x[active], y[active]
+            f = xa @ bits  # current f_k = mass of states with bit k set
+            with np.errstate(divide="ignore", invalid="ignore"):
+                t = np.clip(self._off_diagonal(f, n[active][:, None]), 0.0, 1.0)
+            transition = np.broadcast_to(np.eye(2), (len(xa), 2, 2))
+            for k in range(w):
+                m = np.empty((len(xa), 2, 2))
+                m[:, 0, 0], m[:, 0, 1] = 1 - t[:, k], t[:, k]
+                m[:, 1, 0], m[:, 1, 1] = (g - 1) / g, 1 / g
+                transition = _batched_kron(transition, m)
+            expected = np.einsum("qij,qi->qj", transition, xa)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratio = np.where(expected > 0, ya / expected, 0.0)
+            updated = xa * np.einsum("qij,qj->qi", transition, ratio)
+            converged = np.abs(updated - xa).max(axis=1) < self.tolerance
+            x[active] = updated
+            iterations[active] += 1
+            active[np.flatnonzero(active)[converged]] = False
+        return x[:, -1], iterations
+
+
+def _state_bits(w: int, size: int) -> np.ndarray:
+    """(size, w) matrix: whether state j has sensitive bit k set (bit 0 is the highest)."""
+    return (np.arange(size)[:, None] >> (w - 1 - np.arange(w))[None, :]) & 1
+
+
+def _batched_kron(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Kronecker product of matching (Q, m, m) and (Q, n, n) stacks."""
+    q, m, _ = a.shape
+    n = b.shape[1]
+    return (a[:, :, None, :, None] * b[:, None, :, None, :]).reshape(q, m * n, m * n)
+
+
+def _optional(value: float) -> float | None:
+    return None if np.isnan(value) else float(value)
