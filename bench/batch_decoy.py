@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -38,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from report import log, print_table
 
 from service.cli import main as splu
 from service.mechanisms.decoy import DecoyGroups
@@ -71,10 +71,6 @@ class Result:
             f"{ratio:.2f}",
             "yes" if ratio <= 1 else "NO",
         ]
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def median_seconds(run: Callable[[], object], repeats: int, label: str) -> float:
@@ -129,22 +125,6 @@ def answer_from_file(
     answers = DecoyReconstruction(cells, gamma, [SENSITIVE]).estimate_many(queries)
     stages["answer with estimate_many"] = time.perf_counter() - started
     return answers, stages
-
-
-def print_table(header: list[str], rows: list[list[str]]) -> None:
-    """Left-align the first column, right-align the figures."""
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-
-    def render(row: list[str]) -> str:
-        first, *rest = row
-        return " | ".join(
-            [first.ljust(widths[0]), *(c.rjust(w) for c, w in zip(rest, widths[1:], strict=True))]
-        )
-
-    print(render(header))
-    print("-+-".join("-" * w for w in widths))
-    for row in rows:
-        print(render(row))
 
 
 def main() -> None:

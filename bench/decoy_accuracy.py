@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
+from report import log, print_table
 
 from service.mechanisms.decoy import DecoyGroups
 from service.prf import ServiceKey, random_ids
@@ -94,10 +94,6 @@ class Outcome:
         return float(np.std(means, ddof=1)) if len(means) > 1 else math.nan
 
 
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def query_pool(
     table: Table, per_band: int, rng: np.random.Generator
 ) -> tuple[list[Query], np.ndarray, int]:
@@ -125,22 +121,6 @@ def query_pool(
 
 def percent(x: float) -> str:
     return f"{100 * x:.1f}%"
-
-
-def print_table(header: list[str], rows: list[list[str]]) -> None:
-    """Left-align the first column, right-align the figures."""
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-
-    def render(row: list[str]) -> str:
-        first, *rest = row
-        return " | ".join(
-            [first.ljust(widths[0]), *(c.rjust(w) for c, w in zip(rest, widths[1:], strict=True))]
-        )
-
-    print(render(header))
-    print("-+-".join("-" * w for w in widths))
-    for row in rows:
-        print(render(row))
 
 
 def main() -> None:

@@ -341,7 +341,7 @@ DEMO_LARGE = [
 
 def command_demo(args: argparse.Namespace) -> int:
     gamma = args.gamma
-    _log(
+    print(
         f"splu demo: decoy groups (γ={gamma}) over the bundled UCI Adult sample, "
         f"sensitive = {DEMO_SENSITIVE}, public = {', '.join(DEMO_QUASI)}"
     )
@@ -350,11 +350,11 @@ def command_demo(args: argparse.Namespace) -> int:
     key, ids = _key_and_ids(args.seed, len(table))
     started = time.perf_counter()
     release = DecoyGroups(gamma).publish(table, ids, key)
-    _log(
-        f"  published {len(release.published):,} of {len(table) + len(rejections):,} records "
-        f"in {time.perf_counter() - started:.2f} s"
+    print(
+        f"published {len(release.published):,} of {len(table) + len(rejections):,} records "
+        f"in {time.perf_counter() - started:.2f} s ({len(release.trimmed_lines)} trimmed to a "
+        f"multiple of γ)"
     )
-    _describe_release(release)
     truth = PublishedCells.from_table(table)
     published = PublishedCells.from_table(release.published)
     reconstruction = DecoyReconstruction(published, gamma, [DEMO_SENSITIVE])
@@ -363,23 +363,30 @@ def command_demo(args: argparse.Namespace) -> int:
         Query({c: (v,) for c, v in where.items()}, {DEMO_SENSITIVE: s}) for where, s in DEMO_LARGE
     ] + _small_count_queries(truth, count=5)
     true_counts = [e.published for e in exact.estimate_many(queries)]
-    print(f"\n{'query':62} {'true':>6} {'estimate':>9} {'rel.err':>8}")
+    texts = [
+        " ∧ ".join(
+            [
+                *(f"{c}={v[0]}" for c, v in q.where.items()),
+                f"{DEMO_SENSITIVE}={q.value[DEMO_SENSITIVE]}",
+            ]
+        )
+        for q in queries
+    ]
+    width = max(map(len, texts))
+    print(f"\n{'count of':{width}} {'true':>6} {'estimate':>9} {'rel.err':>8}")
     errors: dict[bool, list[float]] = {True: [], False: []}
-    for query, estimate, true in zip(
-        queries, reconstruction.estimate_many(queries), true_counts, strict=True
-    ):
-        where = " ∧ ".join(f"{c}={v[0]}" for c, v in query.where.items())
-        text = f"{where} ∧ {DEMO_SENSITIVE}={query.value[DEMO_SENSITIVE]}"
+    estimates = reconstruction.estimate_many(queries)
+    for text, estimate, true in zip(texts, estimates, true_counts, strict=True):
         error = abs(estimate.estimate - true) / true
         errors[true > 10].append(error)
-        print(f"{text[:62]:62} {true:6,} {estimate.estimate:9,.0f} {error:8.0%}")
+        print(f"{text:{width}} {true:6,} {estimate.estimate:9,.0f} {error:8.0%}")
     privacy = privacy_threshold(gamma, 0.3, 10)
     print(
         f"\nlarge counts: mean relative error {np.mean(errors[True]):.0%}; "
         f"small counts (1-10): {np.mean(errors[False]):.0%}"
     )
     print(
-        f"guarantee: every occupation with 1-10 people is published off by more than 30% "
+        f"guarantee: a value held by 1-10 people is published off by more than 30% "
         f"with probability ≥ {privacy.threshold:.2f}"
     )
     return 0

@@ -1,0 +1,34 @@
+"""The benchmarks still run (tiny sizes; timings are not checked here, see bench/)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).parents[1] / "bench"
+
+
+@pytest.mark.parametrize(
+    ("script", "arguments", "expected"),
+    [
+        (
+            "batch_decoy.py",
+            ["--rows", "5000", "--repeats", "1", "--queries", "20"],
+            "publish 5,000 rows",
+        ),
+        ("decoy_accuracy.py", ["--queries", "20", "--publications", "1"], "[default]"),
+    ],
+)
+def test_benchmark_runs(script, arguments, expected):
+    result = subprocess.run(
+        [sys.executable, str(BENCH / script), *arguments],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert expected in result.stdout
