@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench
+.PHONY: demo test bench
 
 demo: $(STAMP)
 	$(VENV)/bin/splu demo
@@ -15,6 +15,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/python bench/batch_decoy.py
 	$(VENV)/bin/python bench/decoy_accuracy.py
+	$(VENV)/bin/python bench/personal_accuracy.py
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -32,12 +32,11 @@ import json
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from report import log, print_table
+from report import log, median_seconds, print_table
 
 from service.cli import main as splu
 from service.mechanisms.decoy import DecoyGroups
@@ -71,16 +70,6 @@ class Result:
             f"{ratio:.2f}",
             "yes" if ratio <= 1 else "NO",
         ]
-
-
-def median_seconds(run: Callable[[], object], repeats: int, label: str) -> float:
-    times = []
-    for attempt in range(1, repeats + 1):
-        started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
-        log(f"  {label}: run {attempt}/{repeats}: {times[-1]:.3f} s")
-    return statistics.median(times)
 
 
 def resampled_adult(rows: int, rng: np.random.Generator) -> Table:

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from report import log, print_table
+from report import DRAW_LIMIT, log, print_table
 
 from service.mechanisms.decoy import DecoyGroups
 from service.prf import ServiceKey, random_ids
@@ -104,6 +104,8 @@ def query_pool(
     draws = 0
     while min(len(b) for b in bands.values()) < per_band:
         draws += 1
+        if draws > DRAW_LIMIT * per_band:
+            raise SystemExit(f"no {per_band:,} queries per band after {draws - 1:,} draws")
         columns = rng.choice(QUASI, size=rng.integers(1, 4), replace=False)
         record = rng.integers(len(table))
         occupation = rng.integers(len(occupations))

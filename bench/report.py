@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import statistics
 import sys
+import time
+from collections.abc import Callable
+
+# Random query draws allowed per query wanted, so an impossible filter fails instead of spinning.
+DRAW_LIMIT = 1000
 
 
 def log(message: str) -> None:
@@ -24,3 +30,14 @@ def print_table(header: list[str], rows: list[list[str]]) -> None:
     print("-+-".join("-" * w for w in widths))
     for row in rows:
         print(render(row))
+
+
+def median_seconds(run: Callable[[], object], repeats: int, label: str) -> float:
+    """Median wall time of `repeats` calls, each one logged as it finishes."""
+    times = []
+    for attempt in range(1, repeats + 1):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+        log(f"  {label}: run {attempt}/{repeats}: {times[-1]:.3f} s")
+    return statistics.median(times)

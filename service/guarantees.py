@@ -1,6 +1,9 @@
-"""Exact small-sum privacy and large-sum utility of decoy groups (SPEC §2.1).
+"""The guarantees each mechanism makes, computed exactly.
 
-A value with true count f has published count f′ ~ Binomial(γ·f, 1/γ), so its
+Decoy groups (SPEC §2.1): small-sum privacy and large-sum utility.
+Personal groups (SPEC §2.2): the (λ, δ) reconstruction-privacy trial limit s_g.
+
+Decoy groups. A value with true count f has published count f′ ~ Binomial(γ·f, 1/γ), so its
 relative error has an exact distribution and every guarantee is a binomial
 tail, computed here exactly:
 
@@ -145,3 +148,51 @@ def chebyshev_thresholds(gamma: int, epsilon: float, error_tolerance: float) -> 
         "paper": math.sqrt(1.0 / (gamma * eps**2 * error_tolerance)),
         "corrected": (gamma - 1) / (gamma * eps**2 * error_tolerance),
     }
+
+
+def lambda_limit(retention: float, domain_size: int, max_frequency: float = 1.0) -> float:
+    """Largest λ for which the (λ, δ) test of seed 004 Cor. 6 holds: 1 + (1−p)/(m·p·f).
+
+    Beyond it the lower-tail Chernoff bound the test rests on does not apply
+    (ω > 1). The default f = 1 gives the limit that holds for every group.
+    """
+    return 1.0 + (1.0 - retention) / (domain_size * retention * max_frequency)
+
+
+def check_reconstruction_parameters(
+    retention: float, domain_size: int, lam: float, delta: float
+) -> None:
+    """Validate (p, m, λ, δ) for the personal-group test, naming the bad one."""
+    if not 0 < retention < 1:
+        raise ValueError(f"the retention probability p must lie in (0, 1), got {retention}")
+    if isinstance(domain_size, bool) or not isinstance(domain_size, int | np.integer):
+        raise ValueError(f"the sensitive domain size m must be an integer, got {domain_size!r}")
+    if domain_size < 2:
+        raise ValueError(f"the sensitive attribute needs at least 2 values, got {domain_size}")
+    if not 0 < delta < 1:
+        raise ValueError(f"delta must lie in (0, 1), got {delta}")
+    limit = lambda_limit(retention, domain_size)
+    if not 0 < lam <= limit:
+        raise ValueError(
+            f"lambda must lie in (0, {limit:.4g}] for p = {retention} and m = {domain_size} "
+            f"(seed 004 Cor. 6 holds only for λ ≤ 1 + (1−p)/(m·p·f)); got {lam}"
+        )
+
+
+def trial_limit(
+    max_frequency: float | np.ndarray, retention: float, domain_size: int, lam: float, delta: float
+) -> np.ndarray:
+    """s_g = −2·(f·p + (1−p)/m)·ln δ / (λ·p·f)², seed 004 Eq. 4.9.
+
+    A personal group whose largest true relative frequency is f is (λ, δ)-
+    reconstruction-private iff it holds at most s_g independently perturbed
+    records. s_g falls as f grows, so f = 1 gives the limit for any group.
+    It bounds the Chernoff tail an adversary could prove, not the true tail:
+    a group at s_g usually reconstructs far better than λ (seed notes 004 §5.2).
+    """
+    check_reconstruction_parameters(retention, domain_size, lam, delta)
+    f = np.asarray(max_frequency, dtype=np.float64)
+    if ((f <= 0) | (f > 1)).any():
+        raise ValueError("the largest frequency of a group must lie in (0, 1]")
+    p, m = retention, domain_size
+    return -2.0 * (f * p + (1.0 - p) / m) * np.log(delta) / (lam * p * f) ** 2

@@ -1,10 +1,23 @@
-"""Count reconstruction from a decoy-group publication (SPEC §2.1, seed 000 §4–5).
+"""Count reconstruction from a publication (SPEC §2.1, §2.2).
 
 The published rows are first aggregated into *cells* (distinct combinations
 of all published columns with their counts), so a query costs a pass over
-the cells, not over the rows.
+the cells, not over the rows. Queries on public values alone are exact.
 
-Sensitive-only count: the published count f′_s is unbiased and the MLE.
+Personal groups (seed 004 Lemma 3): uniform perturbation publishes s with
+probability a = p + (1−p)/m from a record holding s and b = (1−p)/m from any
+other, so over the rows S* matching the predicate the MLE is
+
+    |S*|·F′ = (O* − |S*|·b) / p,
+
+unbiased for plain perturbation and for SPS (each stratum keeps its size).
+Its interval multiplies each group's binomial variance by the design effect
+of SPS copies: a group of |g| rows with n trials shares each draw among about
+k = |g|/n rows, so r of its rows in the predicate carry variance inflated by
+1 + (k − 1)(r − 1)/(|g| − 1). n follows from the public parameters and, for
+the adaptive budget, the group's largest frequency estimated from its rows.
+
+Decoy groups. Sensitive-only count: the published count f′_s is unbiased and the MLE.
 
 Conjunctive count "public predicate P ∧ s_1 ∧ … ∧ s_w": original state i
 (P-bit, then one bit per sensitive attribute) goes to published state j with
@@ -39,7 +52,10 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import stats
 
-from service.table import Table
+from service.guarantees import check_reconstruction_parameters, trial_limit
+from service.mechanisms.personal import BUDGETS, UniformPerturbation
+from service.merge import ValueMap
+from service.table import Table, distinct_rows
 
 METHODS = ("closed", "iterative")
 MATRICES = ("corrected", "paper")
@@ -127,14 +143,7 @@ class PublishedCells:
         codes: Sequence[np.ndarray],
     ) -> PublishedCells:
         sizes = [len(domains[c]) for c in columns]
-        stacked = np.column_stack([np.asarray(c, dtype=np.int64) for c in codes])
-        if math.prod(sizes) < 2**62:
-            # Mixed-radix key: one 1-D unique instead of a row-wise one.
-            radix = np.cumprod([1, *sizes[:0:-1]])[::-1]
-            keys, counts = np.unique(stacked @ radix, return_counts=True)
-            cells = (keys[:, None] // radix) % np.asarray(sizes)
-        else:
-            cells, counts = np.unique(stacked, axis=0, return_counts=True)
+        cells, _, counts = distinct_rows(codes, sizes)
         return cls(columns, domains, cells.astype(np.int32), counts)
 
     @classmethod
@@ -174,22 +183,113 @@ class PublishedCells:
         return mask
 
 
-class DecoyReconstruction:
-    """Answers count queries on a decoy-group publication with group size γ.
+class Reconstruction:
+    """What every mechanism's reconstruction shares: checks, batching, state counts.
 
     Parameters
     ----------
     cells: the published table, aggregated.
-    gamma: the published group size γ.
     sensitive: names of the randomized columns; every other column is public.
+    confidence: coverage of the [low, high] interval.
+    clip: keep estimates and intervals inside [0, |P|]. The raw estimate is
+        unbiased; clipping trades that for feasible answers, so sums of many
+        estimates should use clip=False.
+    """
+
+    def __init__(
+        self, cells: PublishedCells, sensitive: Sequence[str], confidence: float, clip: bool
+    ) -> None:
+        if not 0 < confidence < 1:
+            raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
+        missing = [c for c in sensitive if c not in cells.columns]
+        if missing:
+            raise ValueError(
+                f"sensitive column {missing[0]!r} is not in the published data "
+                f"(columns: {', '.join(cells.columns)})"
+            )
+        self.cells = cells
+        self.sensitive = list(sensitive)
+        self.public = [c for c in cells.columns if c not in self.sensitive]
+        self.confidence = confidence
+        self.clip = clip
+        self._z = float(stats.norm.ppf(0.5 + confidence / 2))
+
+    def check(self, query: Query) -> None:
+        for column in query.where:
+            if column in self.sensitive:
+                raise QueryError(
+                    f'where.{column}: {column!r} is sensitive; ask for it under "value"'
+                )
+            if column not in self.public:
+                raise QueryError(f"where.{column}: no such public column")
+        for column in query.value:
+            if column not in self.sensitive:
+                raise QueryError(f"value.{column}: {column!r} is not a sensitive column")
+
+    def estimate(self, query: Query) -> Estimate:
+        return self.estimate_many([query])[0]
+
+    def estimate_many(self, queries: Sequence[Query]) -> list[Estimate]:
+        """Answer many queries, solving those over the same sensitive columns together.
+
+        Public values are never perturbed, so a query without sensitive values
+        is answered exactly.
+        """
+        for query in queries:
+            self.check(query)
+        answers: list[Estimate | None] = [None] * len(queries)
+        batches: dict[tuple[str, ...], list[int]] = {}
+        for i, query in enumerate(queries):
+            batches.setdefault(tuple(c for c in self.sensitive if c in query.value), []).append(i)
+        for columns, members in batches.items():
+            batch = [queries[i] for i in members]
+            if columns:
+                solved = self._solve(batch, list(columns))
+            else:
+                rows = self._states(batch, [])[:, -1]
+                solved = [Estimate(float(r), float(r), float(r), int(r), int(r)) for r in rows]
+            for i, answer in zip(members, solved, strict=True):
+                answers[i] = answer
+        return answers  # type: ignore[return-value]
+
+    def _states(self, queries: Sequence[Query], columns: list[str]) -> np.ndarray:
+        """Published counts per state, (Q, 2^(w+1)): P-bit highest, then one bit per column."""
+        cells = self.cells
+        w = len(columns)
+        out = np.zeros((len(queries), 2 ** (w + 1)), dtype=np.float64)
+        for q, query in enumerate(queries):
+            state = cells.predicate(query.where).astype(np.intp)
+            for column in columns:
+                state <<= 1
+                state |= cells.column[column] == cells.code(column, query.value[column])
+            out[q] = np.bincount(state, weights=cells.weights, minlength=2 ** (w + 1))
+        return out
+
+    def _solve(self, queries: Sequence[Query], columns: list[str]) -> list[Estimate]:
+        raise NotImplementedError
+
+    def _interval(
+        self, raw: np.ndarray, variance: np.ndarray, rows: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        margin = self._z * np.sqrt(np.clip(variance, 0, None))
+        if not self.clip:
+            return raw, raw - margin, raw + margin
+        return np.clip(raw, 0, rows), np.clip(raw - margin, 0, rows), np.clip(raw + margin, 0, rows)
+
+
+class DecoyReconstruction(Reconstruction):
+    """Answers count queries on a decoy-group publication with group size γ.
+
+    Parameters
+    ----------
+    cells, sensitive, confidence: as for `Reconstruction`.
+    gamma: the published group size γ.
     method: ``"closed"`` (default) or ``"iterative"`` (the papers' EM).
     matrix: ``"corrected"`` (default) or ``"paper"`` (t = f/N).
     tolerance, max_iterations: stopping rule of the iterative method, in
         tuples (absolute change of every state count).
-    confidence: coverage of the [low, high] interval of the closed form.
-    clip: keep estimates and intervals inside [0, |P|] (default). The raw
-        linear estimate is unbiased under the model; clipping trades that for
-        feasible answers, so sums of many estimates should use clip=False.
+    clip: clipped to [0, |P|] by default, since a conjunctive estimate's noise
+        is amplified by 1/(1/γ − t) and raw values often leave that range.
     """
 
     def __init__(
@@ -212,67 +312,12 @@ class DecoyReconstruction:
             raise ValueError(f"matrix must be one of {', '.join(MATRICES)}, got {matrix!r}")
         if not tolerance > 0 or max_iterations < 1:
             raise ValueError("the iterative method needs tolerance > 0 and max_iterations ≥ 1")
-        if not 0 < confidence < 1:
-            raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
-        missing = [c for c in sensitive if c not in cells.columns]
-        if missing:
-            raise ValueError(
-                f"sensitive column {missing[0]!r} is not in the published data "
-                f"(columns: {', '.join(cells.columns)})"
-            )
-        self.cells = cells
+        super().__init__(cells, sensitive, confidence, clip)
         self.gamma = int(gamma)
-        self.sensitive = list(sensitive)
-        self.public = [c for c in cells.columns if c not in self.sensitive]
         self.method = method
         self.matrix = matrix
         self.tolerance = tolerance
         self.max_iterations = max_iterations
-        self.confidence = confidence
-        self.clip = clip
-        self._z = float(stats.norm.ppf(0.5 + confidence / 2))
-
-    def check(self, query: Query) -> None:
-        for column in query.where:
-            if column in self.sensitive:
-                raise QueryError(
-                    f'where.{column}: {column!r} is sensitive; ask for it under "value"'
-                )
-            if column not in self.public:
-                raise QueryError(f"where.{column}: no such public column")
-        for column in query.value:
-            if column not in self.sensitive:
-                raise QueryError(f"value.{column}: {column!r} is not a sensitive column")
-
-    def estimate(self, query: Query) -> Estimate:
-        return self.estimate_many([query])[0]
-
-    def estimate_many(self, queries: Sequence[Query]) -> list[Estimate]:
-        """Answer many queries, solving those over the same sensitive columns together."""
-        for query in queries:
-            self.check(query)
-        answers: list[Estimate | None] = [None] * len(queries)
-        batches: dict[tuple[str, ...], list[int]] = {}
-        for i, query in enumerate(queries):
-            batches.setdefault(tuple(c for c in self.sensitive if c in query.value), []).append(i)
-        for columns, members in batches.items():
-            solved = self._solve([queries[i] for i in members], list(columns))
-            for i, answer in zip(members, solved, strict=True):
-                answers[i] = answer
-        return answers  # type: ignore[return-value]
-
-    def _states(self, queries: Sequence[Query], columns: list[str]) -> np.ndarray:
-        """Published counts per state, (Q, 2^(w+1)): P-bit highest, then one bit per column."""
-        cells = self.cells
-        w = len(columns)
-        out = np.zeros((len(queries), 2 ** (w + 1)), dtype=np.float64)
-        for q, query in enumerate(queries):
-            state = cells.predicate(query.where).astype(np.intp)
-            for column in columns:
-                state <<= 1
-                state |= cells.column[column] == cells.code(column, query.value[column])
-            out[q] = np.bincount(state, weights=cells.weights, minlength=2 ** (w + 1))
-        return out
 
     def _off_diagonal(self, f: np.ndarray, n: float) -> np.ndarray:
         """t: probability that a record without s publishes s."""
@@ -288,8 +333,6 @@ class DecoyReconstruction:
         y_predicate = y[:, half:]
         rows = y_predicate.sum(axis=1)
         published = y[:, -1].astype(np.int64)
-        if not columns:
-            return [Estimate(float(r), float(r), float(r), int(r), int(r)) for r in rows]
         n = float(self.cells.total)
         f = y @ _state_bits(len(columns), y.shape[1])  # published count of each s_k
         t = self._off_diagonal(f, n)
@@ -362,10 +405,7 @@ class DecoyReconstruction:
         spread = np.einsum("qij,qj->qi", transition, weights**2)
         spread[:, -1] -= 1.0
         variance = np.clip(np.einsum("qi,qi->q", states, spread), 0, None)
-        margin = self._z * np.sqrt(variance)
-        if not self.clip:
-            return raw, raw - margin, raw + margin
-        return np.clip(raw, 0, rows), np.clip(raw - margin, 0, rows), np.clip(raw + margin, 0, rows)
+        return self._interval(raw, variance, rows)
 
     def _sensitive_only_interval(self, published: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Exact interval for f from f′ ~ Bin(γf, 1/γ): the f not rejected at either tail."""
@@ -410,6 +450,105 @@ class DecoyReconstruction:
             iterations[active] += 1
             active[np.flatnonzero(active)[converged]] = False
         return x[:, -1], iterations
+
+
+class PersonalReconstruction(Reconstruction):
+    """MLE counts from a personal-group publication (plain perturbation or SPS).
+
+    Parameters
+    ----------
+    cells, confidence: as for `Reconstruction`.
+    sensitive: the one perturbed column.
+    retention, domain_size: p and m of the perturbation.
+    lam, delta, budget: the publication's (λ, δ) and budget, which fix how
+        many trials each group had; budget ``none`` is plain perturbation.
+    value_map: the merge map the publication grouped with (None: raw groups).
+    clip: False by default, keeping the MLE unbiased (seed 004 Thm. 7).
+    """
+
+    def __init__(
+        self,
+        cells: PublishedCells,
+        sensitive: str,
+        retention: float,
+        domain_size: int,
+        lam: float = 0.3,
+        delta: float = 0.3,
+        budget: str = "adaptive",
+        value_map: ValueMap | None = None,
+        confidence: float = 0.95,
+        clip: bool = False,
+    ) -> None:
+        super().__init__(cells, [sensitive], confidence, clip)
+        self.perturbation = UniformPerturbation(retention, domain_size)
+        if budget not in BUDGETS:
+            raise ValueError(f"budget must be one of {', '.join(BUDGETS)}, got {budget!r}")
+        check_reconstruction_parameters(retention, domain_size, lam, delta)
+        self._group = self._cell_groups(value_map)
+        self._share = self._draw_sharing(lam, delta, budget)
+
+    def _cell_groups(self, value_map: ValueMap | None) -> np.ndarray:
+        cells = self.cells
+        if not self.public:
+            return np.zeros(len(cells.counts), dtype=np.int64)
+        columns = []
+        for name in self.public:
+            if value_map is None:
+                columns.append(cells.column[name].astype(np.int64))
+            else:
+                per_label, _ = value_map.classes_of(name, cells.domains[name])
+                columns.append(per_label[cells.column[name]])
+        return distinct_rows(columns, [int(c.max(initial=0)) + 1 for c in columns])[1]
+
+    def _draw_sharing(self, lam: float, delta: float, budget: str) -> np.ndarray:
+        """k_g = |g| / trials: how many published rows share one perturbed draw."""
+        cells, perturbation = self.cells, self.perturbation
+        groups = int(self._group.max(initial=-1)) + 1
+        sizes = np.bincount(self._group, weights=cells.weights, minlength=groups)
+        if budget == "none":
+            return np.ones(groups)
+        p, m = perturbation.retention, perturbation.domain_size
+        if budget == "conservative":
+            largest = np.ones(groups)
+        else:
+            labels = len(cells.domains[self.sensitive[0]])
+            joint = np.bincount(
+                self._group * labels + cells.column[self.sensitive[0]],
+                weights=cells.weights,
+                minlength=groups * labels,
+            ).reshape(groups, labels)
+            estimated = (joint / sizes[:, None] - perturbation.switch) / p
+            largest = np.clip(estimated.max(axis=1), 1.0 / m, 1.0)
+        limit = np.floor(trial_limit(largest, p, m, lam, delta))
+        trials = np.clip(np.minimum(sizes, limit), 1, None)
+        return sizes / trials
+
+    def _solve(self, queries: Sequence[Query], columns: list[str]) -> list[Estimate]:
+        cells, perturbation = self.cells, self.perturbation
+        a, b, p = perturbation.keep, perturbation.switch, perturbation.retention
+        column = cells.column[columns[0]]
+        groups = len(self._share)
+        sizes = np.bincount(self._group, weights=cells.weights, minlength=groups)
+        raw, variance = np.empty(len(queries)), np.empty(len(queries))
+        rows, published = np.empty(len(queries)), np.empty(len(queries), dtype=np.int64)
+        for q, query in enumerate(queries):
+            inside = cells.predicate(query.where)
+            hit = inside & (column == cells.code(columns[0], query.value[columns[0]]))
+            r = np.bincount(self._group[inside], weights=cells.weights[inside], minlength=groups)
+            o = np.bincount(self._group[hit], weights=cells.weights[hit], minlength=groups)
+            holding = np.clip((o - b * r) / p, 0, r)  # plug-in true count per group
+            binomial = holding * a * (1 - a) + (r - holding) * b * (1 - b)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                spread = np.where(sizes > 1, (r - 1) / (sizes - 1), 0.0)
+            design = 1 + (self._share - 1) * np.clip(spread, 0, 1)
+            raw[q] = (o.sum() - b * r.sum()) / p
+            variance[q] = (design * binomial).sum() / p**2
+            rows[q], published[q] = r.sum(), int(o.sum())
+        estimate, low, high = self._interval(raw, variance, rows)
+        return [
+            Estimate(float(e), float(lo), float(hi), int(pub), int(n))
+            for e, lo, hi, pub, n in zip(estimate, low, high, published, rows, strict=True)
+        ]
 
 
 def _state_bits(w: int, size: int) -> np.ndarray:

@@ -20,6 +20,11 @@ BENCH = Path(__file__).parents[1] / "bench"
             "publish 5,000 rows",
         ),
         ("decoy_accuracy.py", ["--queries", "20", "--publications", "1"], "[default]"),
+        (
+            "personal_accuracy.py",
+            ["--queries", "20", "--publications", "1", "--rows", "5000", "--repeats", "1"],
+            "SPS publish 5,000 rows",
+        ),
     ],
 )
 def test_benchmark_runs(script, arguments, expected):
