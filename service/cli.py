@@ -16,6 +16,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from service.config import load_config
 from service.dp_audit import audit_disclosures
 from service.guarantees import chebyshev_thresholds, privacy_threshold, utility_threshold
 from service.mechanisms.decoy import GROUPINGS, DecoyGroups
@@ -582,9 +583,36 @@ def command_sample(args: argparse.Namespace) -> int:
 
 
 def command_demo(args: argparse.Namespace) -> int:
-    from service.demo import run_demo
+    from streams.demo import run_demo
 
-    run_demo(args.gamma, args.seed)
+    return run_demo(mechanism=args.mechanism, records=args.records, rate=args.rate)
+
+
+def command_worker(args: argparse.Namespace) -> int:
+    from streams.worker import run_worker
+
+    run_worker(load_config(args.config), loglevel=args.loglevel)
+    return 0
+
+
+def command_produce(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from aiokafka.errors import KafkaError
+
+    from streams.produce import count_rows, produce, rows_of
+
+    config = load_config(args.config)
+    total = None if args.input == "-" else count_rows(Path(args.input))
+    source = "stdin" if args.input == "-" else Path(args.input).name
+    _log(f"splu produce: {args.input} → {config.topics['raw']} at {config.kafka_bootstrap}")
+    with _input(args.input) as stream:
+        rows = rows_of(stream, config, source, args.id_column)
+        try:
+            sent = asyncio.run(produce(config, rows, total, args.rate))
+        except KafkaError as err:
+            raise CommandError(f"cannot produce to {config.kafka_bootstrap}: {err}") from None
+    _log(f"  {sent:,} records acknowledged")
     return 0
 
 
@@ -695,15 +723,59 @@ def build_parser() -> argparse.ArgumentParser:
     formatter = argparse.RawDescriptionHelpFormatter
 
     demo = commands.add_parser(
-        "demo",
-        formatter_class=formatter,
-        help="run the main job on the bundled sample and compare counts with the truth",
-        description="Publish the bundled UCI Adult sample with decoy groups and show how "
-        "large counts come back accurately while small counts do not.",
+        "demo", formatter_class=formatter,
+        help="the main job on embedded servers: stream the bundled sample end to end",
+        description=(
+            "Start an embedded Kafka-protocol broker and Redis-protocol server, a worker\n"
+            "and a producer over the bundled UCI Adult sample; show live progress; read the\n"
+            "published topic back and compare large and small reconstructed counts with the\n"
+            "truth. Everything started is stopped again, also on Ctrl-C."
+        ),
+    )  # fmt: skip
+    demo.add_argument(
+        "--mechanism",
+        choices=MECHANISMS,
+        default="decoy",
+        help="decoy groups on occupation (default) or personal groups on income",
     )
-    demo.add_argument("--gamma", type=int, default=5, help=GAMMA_HELP)
-    demo.add_argument("--seed", type=int, help="reproducible run (default: a fresh key)")
+    demo.add_argument("--records", type=int, help="stream only the first N records")
+    demo.add_argument("--rate", type=float, help="producer rate in records/s (default: flat out)")
     demo.set_defaults(run=command_demo)
+
+    worker = commands.add_parser(
+        "worker", formatter_class=formatter,
+        help="run the stream worker for a stream's config (production)",
+        description=(
+            "Consume <stream>.raw, buffer and randomize in Redis, publish to\n"
+            "<stream>.published. Start one per machine or container; Kafka spreads the\n"
+            "partitions over them. Kafka and Redis come from the config, KAFKA_BOOTSTRAP\n"
+            "and REDIS_URL override them; the service key from the environment variable\n"
+            "or file the config names."
+        ),
+    )  # fmt: skip
+    worker.add_argument("--config", required=True, help="the stream's TOML file")
+    worker.add_argument(
+        "--loglevel",
+        choices=["crit", "error", "warn", "info", "debug"],
+        default="warn",
+        help="worker log level (default warn)",
+    )
+    worker.set_defaults(run=command_worker)
+
+    produce = commands.add_parser(
+        "produce", formatter_class=formatter,
+        help="stream a CSV into <stream>.raw",
+        description=(
+            "Send each row's schema columns as a JSON object to <stream>.raw, keyed by a\n"
+            "record id (<file name>:<line>, or --id-column), so producing the same file\n"
+            "again stores nothing twice."
+        ),
+    )  # fmt: skip
+    produce.add_argument("--config", required=True, help="the stream's TOML file")
+    produce.add_argument("--input", required=True, help="CSV with a header line (- for stdin)")
+    produce.add_argument("--rate", type=float, help="records per second (default: flat out)")
+    produce.add_argument("--id-column", metavar="COL", help="column holding each record's id")
+    produce.set_defaults(run=command_produce)
 
     publish = commands.add_parser(
         "publish", formatter_class=formatter,

@@ -54,6 +54,17 @@ class ServiceKey:
         return hmac.digest(self.secret, purpose.encode(), "sha256")
 
 
+def ids_for(key: ServiceKey, names: list[bytes]) -> np.ndarray:
+    """Record ids keyed by a stable name per record (producer id or offset).
+
+    A redelivered record gets back the id it had, and ids stay independent of
+    record content and unguessable without the key.
+    """
+    digests = b"".join(hashlib.blake2b(name, digest_size=16).digest() for name in names)
+    blocks = np.frombuffer(digests, dtype=">u8").astype(np.uint64).reshape(-1, 2)
+    return prf128(key, "record ids", blocks)
+
+
 def random_ids(n: int, key: ServiceKey | None = None) -> np.ndarray:
     """`n` random 128-bit ids as an (n, 2) uint64 array of (high, low) words.
 
@@ -67,12 +78,17 @@ def random_ids(n: int, key: ServiceKey | None = None) -> np.ndarray:
     return words.reshape(n, 2).copy()
 
 
+def prf128(key: ServiceKey, purpose: str, blocks: np.ndarray) -> np.ndarray:
+    """PRF(key, purpose, block) as (n, 2) uint64 words, for (n, 2) uint64 input blocks."""
+    blocks = np.ascontiguousarray(blocks, dtype=np.uint64)
+    encryptor = Cipher(algorithms.AES(key.subkey(purpose)), modes.ECB()).encryptor()
+    out = encryptor.update(blocks.astype(">u8").tobytes()) + encryptor.finalize()
+    return np.frombuffer(out, dtype=">u8").astype(np.uint64).reshape(-1, 2)
+
+
 def prf64(key: ServiceKey, purpose: str, ids: np.ndarray) -> np.ndarray:
     """PRF(key, purpose, id) as uint64, one per row of the (n, 2) `ids` array."""
-    ids = np.ascontiguousarray(ids, dtype=np.uint64)
-    encryptor = Cipher(algorithms.AES(key.subkey(purpose)), modes.ECB()).encryptor()
-    blocks = encryptor.update(ids.astype(">u8").tobytes()) + encryptor.finalize()
-    return np.frombuffer(blocks, dtype=">u8")[0::2].astype(np.uint64)
+    return prf128(key, purpose, ids)[:, 0].copy()
 
 
 def keystream64(key: ServiceKey, purpose: str, n: int, start: int = 0) -> np.ndarray:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 
+from deploy.embedded import EmbeddedServers, Endpoints
 from service.schema import Attribute, Schema
 from service.table import Table, open_sample, read_table
 
@@ -34,3 +37,11 @@ def adult() -> Table:
         table, rejections = read_table(stream, quasi=ADULT_QUASI, sensitive=["occupation"])
     assert not rejections
     return table
+
+
+@pytest.fixture(scope="session")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Endpoints]:
+    """A Kafka broker and a Redis server shared by the session (or those KAFKA_BOOTSTRAP and
+    REDIS_URL name): tests use fresh topic and key names rather than fresh servers."""
+    with EmbeddedServers(tmp_path_factory.mktemp("servers")) as endpoints:
+        yield endpoints

@@ -242,17 +242,10 @@ def test_guarantees_json(capsys):
 
 
 def test_help_explains_gamma(capsys):
-    for command in ("publish", "query", "guarantees", "demo"):
+    for command in ("publish", "query", "guarantees"):
         with pytest.raises(SystemExit):
             main([command, "--help"])
         assert "distinct values of its hidden group" in " ".join(capsys.readouterr().out.split())
-
-
-def test_demo_compares_large_and_small_counts(capsys):
-    assert main(["demo", "--seed", "1"]) == 0
-    out = capsys.readouterr().out
-    assert "large counts: mean relative error" in out
-    assert "small counts (1-10)" in out
 
 
 def test_console_script_is_installed():

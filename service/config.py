@@ -1,0 +1,355 @@
+"""Stream configuration: one TOML file per stream, validated on load.
+
+    [stream]
+    name = "adult"               # topics: adult.raw, adult.published, adult.rejected, adult.reports
+    mechanism = "decoy"          # or "personal"
+    partitions = 4               # of every topic; one worker can own several
+    max_wait = 30.0              # seconds a record may wait for its group
+    mixing_pool = 1000           # records held back so a group's members are not published together
+    flush_interval = 5.0         # seconds after which a quiet pool is emitted anyway
+    buffer_cap = 100000          # buffered records per partition before consumption pauses
+    report_interval = 30.0       # seconds between privacy reports
+    batch_size = 2000            # raw records per batch
+    batch_wait = 0.2             # seconds to wait for a batch to fill
+
+    [key]                        # the service key is never written in this file
+    env = "SPLU_SERVICE_KEY"     # 64 hex characters, or
+    file = "/run/secrets/splu"   # a file readable by its owner only
+
+    [kafka]
+    bootstrap = "kafka:19092"    # KAFKA_BOOTSTRAP overrides
+
+    [redis]
+    url = "redis://redis:6379/0" # REDIS_URL overrides
+    password_env = "REDIS_PASSWORD"
+
+    [decoy]
+    gamma = 5
+    grouping = "size-weighted"
+
+    [personal]
+    retention = 0.5
+    lambda = 0.3
+    delta = 0.3
+    budget = "conservative"      # adaptive budgets can be overrun when frequencies drift
+    release_size = 100
+    merge_map = "adult.merge.toml"   # relative to this file
+
+    [schema]
+    ...                          # as in `service.schema`
+
+Every error names the file and the offending field.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from service.guarantees import check_reconstruction_parameters, trial_limit
+from service.mechanisms.decoy import GROUPINGS
+from service.mechanisms.personal import BUDGETS
+from service.merge import ValueMap
+from service.prf import KEY_BYTES, ServiceKey
+from service.schema import Schema, SchemaError
+
+MECHANISMS = ("decoy", "personal")
+TOPIC_ROLES = ("raw", "published", "rejected", "reports")
+
+
+class ConfigError(SchemaError):
+    """The stream configuration is unusable; the message names the field."""
+
+
+@dataclass(frozen=True)
+class DecoySettings:
+    gamma: int
+    grouping: str
+
+
+@dataclass(frozen=True)
+class PersonalSettings:
+    retention: float
+    lam: float
+    delta: float
+    budget: str
+    release_size: int
+    value_map: ValueMap
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """Everything a worker, producer or consumer of one stream needs, validated."""
+
+    source: str
+    name: str
+    mechanism: str
+    partitions: int
+    max_wait: float
+    mixing_pool: int
+    flush_interval: float
+    buffer_cap: int
+    report_interval: float
+    batch_size: int
+    batch_wait: float
+    topics: Mapping[str, str]
+    key_env: str | None
+    key_file: Path | None
+    kafka_bootstrap: str
+    redis_url: str
+    redis_password_env: str | None
+    schema: Schema
+    decoy: DecoySettings | None
+    personal: PersonalSettings | None
+
+    @property
+    def sensitive(self) -> list[str]:
+        return [a.name for a in self.schema.sensitive]
+
+    def service_key(self) -> ServiceKey:
+        """The key behind every keyed draw, from the environment or a private file."""
+        if self.key_env is not None:
+            text = os.environ.get(self.key_env)
+            if text is None:
+                raise ConfigError(f"{self.source}: key.env names {self.key_env}, which is not set")
+            return _parse_key(text, f"environment variable {self.key_env}")
+        assert self.key_file is not None
+        try:
+            mode = self.key_file.stat().st_mode
+        except OSError as err:
+            raise ConfigError(f"{self.source}: key.file {self.key_file}: {err.strerror}") from None
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise ConfigError(
+                f"{self.source}: key.file {self.key_file} is readable by others "
+                f"(mode {stat.filemode(mode)}); chmod 600 it"
+            )
+        return _parse_key(self.key_file.read_text().strip(), f"key file {self.key_file}")
+
+    def redis_password(self) -> str | None:
+        if self.redis_password_env is None:
+            return None
+        return os.environ.get(self.redis_password_env)
+
+
+def _parse_key(text: str, where: str) -> ServiceKey:
+    try:
+        secret = bytes.fromhex(text.strip())
+    except ValueError:
+        raise ConfigError(f"{where} must hold {2 * KEY_BYTES} hex characters") from None
+    if len(secret) != KEY_BYTES:
+        raise ConfigError(f"{where} must hold {2 * KEY_BYTES} hex characters")
+    return ServiceKey(secret)
+
+
+class _Reader:
+    """Typed access to one TOML table with errors that name the field."""
+
+    def __init__(self, source: str, table: Mapping[str, Any], path: str) -> None:
+        self.source, self.table, self.path = source, table, path
+        self.used: set[str] = set()
+
+    def fail(self, key: str, message: str) -> ConfigError:
+        return ConfigError(f"{self.source}: {self.path}.{key} {message}")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.used.add(key)
+        return self.table.get(key, default)
+
+    def number(self, key: str, default: float | None = None, positive: bool = True) -> float:
+        value = self.get(key, default)
+        if value is None:
+            raise self.fail(key, "is required")
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.fail(key, f"must be a number, got {value!r}")
+        if positive and not value > 0:
+            raise self.fail(key, f"must be positive, got {value}")
+        return float(value)
+
+    def integer(self, key: str, default: int | None = None, minimum: int = 1) -> int:
+        value = self.get(key, default)
+        if value is None:
+            raise self.fail(key, "is required")
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(key, f"must be an integer, got {value!r}")
+        if value < minimum:
+            raise self.fail(key, f"must be at least {minimum}, got {value}")
+        return value
+
+    def text(self, key: str, default: str | None = None, choices: tuple[str, ...] = ()) -> str:
+        value = self.get(key, default)
+        if value is None:
+            raise self.fail(key, "is required")
+        if not isinstance(value, str) or not value:
+            raise self.fail(key, f"must be a non-empty string, got {value!r}")
+        if choices and value not in choices:
+            raise self.fail(key, f"must be one of {', '.join(choices)}, got {value!r}")
+        return value
+
+    def finish(self) -> None:
+        unknown = sorted(set(self.table) - self.used)
+        if unknown:
+            raise self.fail(unknown[0], "is not a known setting")
+
+
+def _table(source: str, document: Mapping[str, Any], name: str, required: bool) -> _Reader | None:
+    table = document.get(name)
+    if table is None:
+        if required:
+            raise ConfigError(f"{source}: the [{name}] table is required")
+        return None
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"{source}: {name} must be a table")
+    return _Reader(source, table, name)
+
+
+def load_config(path: str | Path) -> StreamConfig:
+    """Read and validate a stream's TOML file."""
+    path = Path(path)
+    try:
+        document = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise ConfigError(f"cannot read {path}: {err.strerror}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: not valid TOML: {err}") from None
+    return parse_config(document, str(path), path.parent)
+
+
+def parse_config(document: Mapping[str, Any], source: str, base: Path) -> StreamConfig:
+    known = {"stream", "key", "kafka", "redis", "decoy", "personal", "schema"}
+    unknown = sorted(set(document) - known)
+    if unknown:
+        raise ConfigError(f"{source}: unknown table [{unknown[0]}]")
+    stream = _table(source, document, "stream", required=True)
+    assert stream is not None
+    name = stream.text("name")
+    if not all(c.isalnum() or c in "-_." for c in name):
+        raise stream.fail("name", f"may hold letters, digits, '-', '_' and '.', got {name!r}")
+    mechanism = stream.text("mechanism", choices=MECHANISMS)
+    topics_table = stream.get("topics", {})
+    if not isinstance(topics_table, Mapping):
+        raise stream.fail("topics", "must be a table")
+    topics_reader = _Reader(source, topics_table, "stream.topics")
+    topics = {role: topics_reader.text(role, f"{name}.{role}") for role in TOPIC_ROLES}
+    topics_reader.finish()
+    if len(set(topics.values())) != len(topics):
+        raise stream.fail("topics", "must name four different topics")
+    settings = {
+        "partitions": stream.integer("partitions", 4),
+        "max_wait": stream.number("max_wait", 30.0),
+        "mixing_pool": stream.integer("mixing_pool", 1000, minimum=0),
+        "flush_interval": stream.number("flush_interval", 5.0),
+        "buffer_cap": stream.integer("buffer_cap", 100_000),
+        "report_interval": stream.number("report_interval", 30.0),
+        "batch_size": stream.integer("batch_size", 2000),
+        "batch_wait": stream.number("batch_wait", 0.2),
+    }
+    stream.finish()
+
+    key = _table(source, document, "key", required=True)
+    assert key is not None
+    key_env, key_file = key.get("env"), key.get("file")
+    if (key_env is None) == (key_file is None):
+        raise ConfigError(f"{source}: [key] needs exactly one of env or file")
+    if key_env is not None:
+        key_env = key.text("env")
+    else:
+        key_file = base / key.text("file")
+    key.finish()
+
+    kafka = _table(source, document, "kafka", required=False)
+    bootstrap = kafka.text("bootstrap", "127.0.0.1:9092") if kafka else "127.0.0.1:9092"
+    if kafka:
+        kafka.finish()
+    redis = _table(source, document, "redis", required=False)
+    redis_url = (
+        redis.text("url", "redis://127.0.0.1:6379/0") if redis else "redis://127.0.0.1:6379/0"
+    )
+    password_env = None
+    if redis:
+        password_env = redis.get("password_env")
+        if password_env is not None:
+            password_env = redis.text("password_env")
+        redis.finish()
+
+    if "schema" not in document:
+        raise ConfigError(f"{source}: the [schema] table is required")
+    schema = Schema.from_mapping(document["schema"], source=source)
+
+    decoy = personal = None
+    for other in MECHANISMS:
+        if other != mechanism and other in document:
+            raise ConfigError(f"{source}: [{other}] is set but stream.mechanism is {mechanism!r}")
+    if mechanism == "decoy":
+        decoy = _decoy_settings(source, document, schema)
+    else:
+        personal = _personal_settings(source, document, schema, base, settings["partitions"])
+
+    return StreamConfig(
+        source=source,
+        name=name,
+        mechanism=mechanism,
+        topics=topics,
+        key_env=key_env,
+        key_file=key_file,
+        kafka_bootstrap=os.environ.get("KAFKA_BOOTSTRAP", bootstrap),
+        redis_url=os.environ.get("REDIS_URL", redis_url),
+        redis_password_env=password_env,
+        schema=schema,
+        decoy=decoy,
+        personal=personal,
+        **settings,
+    )
+
+
+def _decoy_settings(source: str, document: Mapping[str, Any], schema: Schema) -> DecoySettings:
+    table = _table(source, document, "decoy", required=False) or _Reader(source, {}, "decoy")
+    gamma = table.integer("gamma", 5, minimum=2)
+    grouping = table.text("grouping", "size-weighted", choices=GROUPINGS)
+    table.finish()
+    for attribute in schema.sensitive:
+        if attribute.size < gamma:
+            raise ConfigError(
+                f"{source}: decoy.gamma = {gamma} needs {gamma} values of each sensitive "
+                f"attribute; {attribute.name!r} has {attribute.size}"
+            )
+    return DecoySettings(gamma, grouping)
+
+
+def _personal_settings(
+    source: str, document: Mapping[str, Any], schema: Schema, base: Path, partitions: int
+) -> PersonalSettings:
+    table = _table(source, document, "personal", required=True)
+    assert table is not None
+    if len(schema.sensitive) != 1:
+        raise ConfigError(f"{source}: personal groups protect exactly one sensitive attribute")
+    attribute = schema.sensitive[0]
+    retention = table.number("retention", 0.5)
+    lam = table.number("lambda", 0.3)
+    delta = table.number("delta", 0.3)
+    budget = table.text("budget", "conservative", choices=BUDGETS)
+    release_size = table.integer("release_size", 100)
+    map_path = base / table.text("merge_map")
+    table.finish()
+    try:
+        check_reconstruction_parameters(retention, attribute.size, lam, delta)
+    except ValueError as err:
+        raise ConfigError(f"{source}: [personal] {err}") from None
+    smallest = trial_limit(1.0, retention, attribute.size, lam, delta)
+    if budget != "none" and smallest < partitions:
+        # Each partition grants a group s_g / partitions trials, at least one.
+        raise ConfigError(
+            f"{source}: [personal] a group may hold {smallest:.1f} trials, fewer than "
+            f"stream.partitions = {partitions}: lower p or λ, raise δ, or use fewer partitions"
+        )
+    value_map = ValueMap.load(map_path)
+    if value_map.sensitive != attribute.name:
+        raise ConfigError(
+            f"{source}: personal.merge_map was fitted for {value_map.sensitive!r}, "
+            f"not {attribute.name!r}"
+        )
+    return PersonalSettings(retention, lam, delta, budget, release_size, value_map)

@@ -1,0 +1,206 @@
+"""Raw stream messages to buffer-ready records (SPEC §3), without I/O.
+
+A raw message is a JSON object of attribute values; its Kafka key, if any, is
+the producer's record id. Each accepted record gets:
+
+- a *dedup key*: ``k:<producer id>``, else ``o:<offset>`` (per partition), so
+  a redelivered record is recognised and stored once;
+- a *digest* of its payload, so a record id reused with different content is
+  rejected instead of silently replacing or duplicating anything;
+- a 128-bit *id*: a keyed PRF of its dedup key. A redelivery gets back the same
+  id, and ids are independent of content and unguessable without the key;
+- its randomization inputs, computed here by the mechanism classes the batch
+  tools use: for decoy groups each sensitive value's draw index (PRF(id) mod
+  γ), for personal groups the record's group key and perturbed value.
+
+Everything else is rejected with a reason that never echoes a sensitive value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from service.config import StreamConfig
+from service.mechanisms.decoy import DecoyGroups
+from service.mechanisms.personal import PersonalGroups, UniformPerturbation
+from service.prf import ServiceKey, ids_for
+from service.schema import RecordError, Rejection
+from service.table import Table
+
+MAX_MESSAGE_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class RawMessage:
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+
+
+@dataclass(frozen=True)
+class Rejected:
+    message: RawMessage
+    rejection: Rejection
+
+    def payload(self) -> bytes:
+        """The rejected-topic message: the reason plus the raw record, so nothing is lost."""
+        value = self.message.value or b""
+        return json.dumps(
+            {
+                "reason": self.rejection.reason,
+                "field": self.rejection.field,
+                "partition": self.message.partition,
+                "offset": self.message.offset,
+                "key": self.message.key.decode("utf-8", "replace") if self.message.key else None,
+                "value": value.decode("utf-8", "replace"),
+            }
+        ).encode()
+
+
+@dataclass
+class PreparedBatch:
+    """Accepted records of one partition, in arrival order, ready for the Redis buffer."""
+
+    partition: int
+    messages: list[RawMessage] = field(default_factory=list)
+    dedup_keys: list[bytes] = field(default_factory=list)
+    digests: list[bytes] = field(default_factory=list)
+    ids: np.ndarray = field(default_factory=lambda: np.empty((0, 2), np.uint64))
+    public: list[bytes] = field(default_factory=list)
+    sensitive: np.ndarray = field(default_factory=lambda: np.empty((0, 0), np.int64))
+    draws: np.ndarray = field(default_factory=lambda: np.empty((0, 0), np.int64))
+    groups: list[bytes] = field(default_factory=list)
+    perturbed: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+
+    def __len__(self) -> int:
+        return len(self.messages)
+
+    def id_bytes(self) -> list[bytes]:
+        """Each id as 32 hex digits: Redis keys and pool entries stay free of separators."""
+        raw = self.ids.astype(">u8").tobytes().hex().encode()
+        return [raw[32 * i : 32 * i + 32] for i in range(len(self.ids))]
+
+
+class Preparer:
+    """Validates and prepares raw messages for one stream's configuration."""
+
+    def __init__(self, config: StreamConfig, key: ServiceKey) -> None:
+        self.config = config
+        self.key = key
+        self.schema = config.schema
+        self._public = [i for i, a in enumerate(self.schema.attributes) if not a.sensitive]
+        # '"name":"label"' per attribute and code: published records are joined from these.
+        self._fragments = [
+            [json.dumps({a.name: label})[1:-1].encode() for label in a.domain]
+            for a in self.schema.attributes
+        ]
+        self._sensitive = [i for i, a in enumerate(self.schema.attributes) if a.sensitive]
+        if config.decoy is not None:
+            self._decoy = DecoyGroups(config.decoy.gamma, config.decoy.grouping)
+        if config.personal is not None:
+            settings = config.personal
+            self._personal = PersonalGroups(
+                settings.retention, settings.lam, settings.delta, settings.budget,
+                settings.value_map,
+            )  # fmt: skip
+            self._perturbation = UniformPerturbation(
+                settings.retention, self.schema.sensitive[0].size
+            )
+
+    def prepare(self, messages: list[RawMessage]) -> tuple[list[PreparedBatch], list[Rejected]]:
+        """Split messages into per-partition batches of accepted records and rejections."""
+        accepted: dict[int, list[tuple[RawMessage, list[int]]]] = {}
+        rejected = []
+        for message in messages:
+            try:
+                codes = self._validate(message)
+            except RecordError as err:
+                rejected.append(Rejected(message, err.rejection))
+                continue
+            accepted.setdefault(message.partition, []).append((message, codes))
+        return [self._batch(p, rows) for p, rows in sorted(accepted.items())], rejected
+
+    def _validate(self, message: RawMessage) -> list[int]:
+        where = f"{message.partition}/{message.offset}"
+
+        def reject(reason: str) -> RecordError:
+            return RecordError(Rejection(where, None, reason))
+
+        value = message.value
+        if not value:
+            raise reject("empty message")
+        if len(value) > MAX_MESSAGE_BYTES:
+            raise reject(f"message of {len(value):,} bytes exceeds {MAX_MESSAGE_BYTES:,}")
+        try:
+            record = json.loads(value.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise reject("not valid UTF-8") from None
+        except json.JSONDecodeError as err:
+            raise reject(f"not valid JSON: {err.msg}") from None
+        except RecursionError:
+            raise reject("not valid JSON: nested too deeply") from None
+        return self.schema.encode_record(record, where)
+
+    def _batch(self, partition: int, rows: list[tuple[RawMessage, list[int]]]) -> PreparedBatch:
+        messages = [m for m, _ in rows]
+        codes = np.asarray([c for _, c in rows], dtype=np.int64).reshape(len(rows), -1)
+        dedup_keys = [b"k:" + m.key if m.key else b"o:%d" % m.offset for m in messages]
+        ids = ids_for(self.key, [b"%d:" % partition + d for d in dedup_keys])
+        batch = PreparedBatch(
+            partition=partition,
+            messages=messages,
+            dedup_keys=dedup_keys,
+            digests=[hashlib.blake2b(m.value or b"", digest_size=8).digest() for m in messages],
+            ids=ids,
+            public=[",".join(map(str, row)).encode() for row in codes[:, self._public].tolist()],
+            sensitive=codes[:, self._sensitive],
+        )
+        names = [a.name for a in self.schema.sensitive]
+        if self.config.decoy is not None:
+            batch.draws = np.column_stack(
+                [self._decoy.draws(ids, self.key, name) for name in names]
+            ).reshape(len(rows), len(names))
+        else:
+            table = Table(
+                self.schema,
+                {
+                    a.name: codes[:, i].astype(np.int32)
+                    for i, a in enumerate(self.schema.attributes)
+                },
+            )
+            keys, _, _ = self._personal.group_keys(table)
+            batch.groups = [".".join(map(str, row)).encode() for row in keys.tolist()]
+            batch.perturbed = self._perturbation.perturb(
+                codes[:, self._sensitive[0]], ids, self.key, names[0]
+            )
+        return batch
+
+    def codes_of(self, member: bytes) -> list[int]:
+        """A pool entry's codes in schema order.
+
+        Entries are "public codes|published sensitive codes|audit|id"; only the
+        first two fields are ever published.
+        """
+        public_text, sensitive_text, _ = member.split(b"|", 2)
+        public = iter(public_text.split(b",") if public_text else ())
+        sensitive = iter(sensitive_text.split(b","))
+        return [int(next(sensitive if a.sensitive else public)) for a in self.schema.attributes]
+
+    def decode(self, member: bytes) -> dict[str, str]:
+        """A pool entry as the published record: attribute → label."""
+        return {
+            a.name: a.domain[code]
+            for a, code in zip(self.schema.attributes, self.codes_of(member), strict=True)
+        }
+
+    def published_json(self, member: bytes) -> bytes:
+        """`decode` as JSON bytes, from fragments encoded once per attribute value."""
+        fragments = self._fragments
+        return b"{%s}" % b",".join(
+            fragments[i][code] for i, code in enumerate(self.codes_of(member))
+        )

@@ -1,0 +1,204 @@
+-- Decoy groups for one stream partition (SPEC §2.1, §3), one atomic step per batch:
+-- store new records idempotently, cut every group the buffer allows, randomize its
+-- members, hand finished records to the mixing pool, suppress records that waited
+-- past max_wait.
+--
+-- KEYS[1]  the partition's key prefix, "splu:{<stream>:<partition>}"; every key below
+--          extends it, so one Redis Cluster hash slot holds them all.
+-- ARGV     now_ms, max_wait_ms, gamma, w (sensitive attributes), seed, n, then one
+--          argument per record: id (32 hex digits), digest (8 bytes), then
+--          "public codes|values|draws|dedup key" (codes comma-separated).
+-- Returns  the number of pending records, the pool size, then position and status of
+--          each record not stored anew (1 redelivered, 2 id reused with other content).
+--
+-- Keys: :d dedup key -> digest; :rec id -> msgpack {arrival, public, values, draws,
+-- published, pending, group values}; :t arrival index; :b:<a>:<v> bucket of attribute a,
+-- value v (members are ids, score 0, so ZPOPMIN takes the smallest random id); :n:<a>
+-- value -> bucket size; :pool entry -> time, an entry being "public|published|group
+-- values|id" (the group values stay inside for audits; the emitter publishes only the
+-- first two fields); :stats counters; :sup "<a>:<v>" -> suppressed.
+
+local base = KEYS[1]
+local now, max_wait, gamma = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local w, seed, n = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
+local k_dedup, k_rec, k_time = base .. ':d', base .. ':rec', base .. ':t'
+local k_pool, k_stats, k_sup = base .. ':pool', base .. ':stats', base .. ':sup'
+
+local function split(text)
+  local out = {}
+  for item in string.gmatch(text, '[^,]+') do out[#out + 1] = item end
+  return out
+end
+
+local status, added, redelivered, conflicts = {}, 0, 0, 0
+for r = 1, n do
+  local arg = ARGV[6 + r]
+  local id, digest = string.sub(arg, 1, 32), string.sub(arg, 33, 40)
+  local a1 = string.find(arg, '|', 41, true)
+  local a2 = string.find(arg, '|', a1 + 1, true)
+  local a3 = string.find(arg, '|', a2 + 1, true)
+  local public, dedup = string.sub(arg, 41, a1 - 1), string.sub(arg, a3 + 1)
+  local known = redis.call('HGET', k_dedup, dedup)
+  if known then
+    local code = known == digest and 1 or 2
+    status[#status + 1] = r
+    status[#status + 1] = code
+    if code == 1 then
+      redelivered = redelivered + 1
+    else
+      conflicts = conflicts + 1
+    end
+  else
+    redis.call('HSET', k_dedup, dedup, digest)
+    local values = split(string.sub(arg, a1 + 1, a2 - 1))
+    local draws = split(string.sub(arg, a2 + 1, a3 - 1))
+    for a = 1, w do
+      draws[a] = tonumber(draws[a])
+      redis.call('ZADD', base .. ':b:' .. a .. ':' .. values[a], 0, id)
+      redis.call('HINCRBY', base .. ':n:' .. a, values[a], 1)
+    end
+    redis.call('HSET', k_rec, id, cmsgpack.pack({now, public, values, draws, {}, w, {}}))
+    redis.call('ZADD', k_time, now, id)
+    added = added + 1
+  end
+end
+
+-- Keyed uniforms: SHA-1 of a secret per-partition seed and a persistent counter, so
+-- no two cuts reuse randomness and a replay of the same state cuts the same groups.
+local counter = tonumber(redis.call('HGET', k_stats, 'draws') or '0')
+local block, position = '', 41
+local function uniform()
+  if position > 33 then
+    counter = counter + 1
+    block = redis.sha1hex(seed .. ':' .. counter)
+    position = 1
+  end
+  local x = tonumber(string.sub(block, position, position + 7), 16)
+  position = position + 8
+  return x / 4294967296
+end
+
+local function numeric(x, y)
+  return tonumber(x) < tonumber(y)
+end
+
+local pooled = 0
+local function finish(id, record)
+  local entry = record[2] .. '|' .. table.concat(record[5], ',') .. '|'
+    .. table.concat(record[7], ';') .. '|' .. id
+  redis.call('ZADD', k_pool, now, entry)
+  redis.call('HDEL', k_rec, id)
+  redis.call('ZREM', k_time, id)
+  pooled = pooled + 1
+end
+
+-- Each member publishes its group's (sorted) value at its own keyed draw index.
+local function assign(id, a, values)
+  local record = cmsgpack.unpack(redis.call('HGET', k_rec, id))
+  record[5][a] = values[record[4][a] + 1]
+  record[7][a] = table.concat(values, ',')
+  record[6] = record[6] - 1
+  if record[6] == 0 then
+    finish(id, record)
+  else
+    redis.call('HSET', k_rec, id, cmsgpack.pack(record))
+  end
+end
+
+-- Cut groups of gamma distinct values while gamma buckets are non-empty. A value whose
+-- bucket holds at least 1/gamma of the pending records is always taken (skipping it
+-- would push it further over its share); the rest are chosen one by one with
+-- probability proportional to bucket size among the values not yet in the group.
+local groups = 0
+local function cut(a)
+  local key_counts = base .. ':n:' .. a
+  local flat = redis.call('HGETALL', key_counts)
+  local values, size, pending, nonempty = {}, {}, 0, 0
+  for j = 1, #flat, 2 do
+    local c = tonumber(flat[j + 1])
+    values[#values + 1] = flat[j]
+    size[flat[j]] = c
+    pending = pending + c
+    if c > 0 then nonempty = nonempty + 1 end
+  end
+  table.sort(values, numeric)
+  while nonempty >= gamma do
+    local chosen, taken, weight = {}, {}, 0
+    for _, v in ipairs(values) do
+      if size[v] > 0 and size[v] * gamma >= pending then
+        chosen[#chosen + 1] = v
+        taken[v] = true
+        weight = weight + size[v]
+      end
+    end
+    while #chosen < gamma do
+      local x = uniform() * (pending - weight)
+      local pick
+      for _, v in ipairs(values) do
+        if size[v] > 0 and not taken[v] then
+          pick = v
+          x = x - size[v]
+          if x < 0 then break end
+        end
+      end
+      chosen[#chosen + 1] = pick
+      taken[pick] = true
+      weight = weight + size[pick]
+    end
+    table.sort(chosen, numeric)
+    local members = {}
+    for j, v in ipairs(chosen) do
+      members[j] = redis.call('ZPOPMIN', base .. ':b:' .. a .. ':' .. v)[1]
+      size[v] = size[v] - 1
+      pending = pending - 1
+      if size[v] == 0 then nonempty = nonempty - 1 end
+    end
+    for _, id in ipairs(members) do
+      assign(id, a, chosen)
+    end
+    groups = groups + 1
+  end
+  for _, v in ipairs(values) do
+    if size[v] > 0 then
+      redis.call('HSET', key_counts, v, size[v])
+    else
+      redis.call('HDEL', key_counts, v)
+    end
+  end
+end
+
+if added > 0 then
+  for a = 1, w do
+    cut(a)
+  end
+end
+
+-- Records still waiting after max_wait belong to values over their share (or to the
+-- last few values of a quiet stream): suppress them, never publish, count per value.
+local expired = redis.call('ZRANGEBYSCORE', k_time, '-inf', now - max_wait)
+for _, id in ipairs(expired) do
+  local record = cmsgpack.unpack(redis.call('HGET', k_rec, id))
+  for a = 1, w do
+    if record[5][a] == nil then
+      local v = record[3][a]
+      redis.call('ZREM', base .. ':b:' .. a .. ':' .. v, id)
+      if redis.call('HINCRBY', base .. ':n:' .. a, v, -1) <= 0 then
+        redis.call('HDEL', base .. ':n:' .. a, v)
+      end
+      redis.call('HINCRBY', k_sup, a .. ':' .. v, 1)
+    end
+  end
+  redis.call('HDEL', k_rec, id)
+  redis.call('ZREM', k_time, id)
+end
+
+redis.call('HSET', k_stats, 'draws', counter)
+redis.call('HINCRBY', k_stats, 'ingested', added)
+redis.call('HINCRBY', k_stats, 'redelivered', redelivered)
+redis.call('HINCRBY', k_stats, 'conflicts', conflicts)
+redis.call('HINCRBY', k_stats, 'groups', groups)
+redis.call('HINCRBY', k_stats, 'pooled', pooled)
+redis.call('HINCRBY', k_stats, 'suppressed', #expired)
+table.insert(status, 1, redis.call('ZCARD', k_pool))
+table.insert(status, 1, redis.call('ZCARD', k_time))
+return status

@@ -1,0 +1,150 @@
+-- Personal groups for one stream partition (SPEC §2.2, §3), one atomic step per batch:
+-- store new records idempotently in their group's buffer, release a group when its
+-- buffer reaches the release size or its oldest record waited max_wait, and publish
+-- each released record either as a trial (its own perturbed value, while the group's
+-- trial budget lasts) or as a copy of an earlier trial of the same original value
+-- (streaming scaling). Copies add rows, not trials.
+--
+-- KEYS[1]  the partition's key prefix, "splu:{<stream>:<partition>}".
+-- ARGV     now_ms, max_wait_ms, release_size, budget (adaptive, conservative or none),
+--          fixed budget (conservative), p, m, lambda, delta, partitions, n, then one
+--          argument per record: id (32 hex digits), digest (8 bytes), then
+--          "public codes|group key|value|perturbed value|dedup key".
+-- Returns  the number of buffered records, the pool size, then position and status of
+--          each record not stored anew (1 redelivered, 2 id reused with other content).
+--
+-- Keys: :d dedup; :rec id -> msgpack {arrival, public, group, value, perturbed};
+-- :gq group -> arrival of its oldest buffered record; :g:<group>:buf buffered ids;
+-- :g:<group>:s true counts (c:<v>), total, trials, copy counters (cc:<v>), borrows;
+-- :g:<group>:tr:<v> perturbed values of the trials of original value v;
+-- :g:<group>:tv values with trials; :pool entry -> time, an entry being
+-- "public|published|t, c or b (trial, copy, borrowed copy)|id", of which the emitter
+-- publishes the first two fields; :stats.
+
+local base = KEYS[1]
+local now, max_wait, release_size = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local budget_mode, fixed_budget = ARGV[4], tonumber(ARGV[5])
+local p, m, lambda, delta = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+local partitions, n = tonumber(ARGV[10]), tonumber(ARGV[11])
+local k_dedup, k_rec, k_queue = base .. ':d', base .. ':rec', base .. ':gq'
+local k_pool, k_stats = base .. ':pool', base .. ':stats'
+
+local status, touched, added, redelivered, conflicts = {}, {}, 0, 0, 0
+for r = 1, n do
+  local arg = ARGV[11 + r]
+  local id, digest = string.sub(arg, 1, 32), string.sub(arg, 33, 40)
+  local a1 = string.find(arg, '|', 41, true)
+  local a2 = string.find(arg, '|', a1 + 1, true)
+  local a3 = string.find(arg, '|', a2 + 1, true)
+  local a4 = string.find(arg, '|', a3 + 1, true)
+  local public, group = string.sub(arg, 41, a1 - 1), string.sub(arg, a1 + 1, a2 - 1)
+  local value, perturbed = string.sub(arg, a2 + 1, a3 - 1), string.sub(arg, a3 + 1, a4 - 1)
+  local dedup = string.sub(arg, a4 + 1)
+  local known = redis.call('HGET', k_dedup, dedup)
+  if known then
+    local code = known == digest and 1 or 2
+    status[#status + 1] = r
+    status[#status + 1] = code
+    if code == 1 then
+      redelivered = redelivered + 1
+    else
+      conflicts = conflicts + 1
+    end
+  else
+    redis.call('HSET', k_dedup, dedup, digest)
+    redis.call('HSET', k_rec, id, cmsgpack.pack({now, public, group, value, perturbed}))
+    local g = base .. ':g:' .. group
+    if redis.call('RPUSH', g .. ':buf', id) == 1 then
+      redis.call('ZADD', k_queue, now, group)
+    end
+    redis.call('HINCRBY', g .. ':s', 'total', 1)
+    redis.call('HINCRBY', g .. ':s', 'c:' .. value, 1)
+    touched[group] = true
+    added = added + 1
+  end
+end
+
+-- Trials a group may hold here: s_g = -2 (f p + (1-p)/m) ln(delta) / (lambda p f)^2 with
+-- f its largest true frequency (seed 004 Cor. 6), or the conservative f = 1 limit,
+-- split evenly over the partitions: a group's records may arrive on any of them, and
+-- together they must not exceed s_g.
+local function budget(g)
+  if budget_mode == 'none' then return math.huge end
+  if budget_mode == 'conservative' then return fixed_budget end
+  local flat = redis.call('HGETALL', g .. ':s')
+  local total, largest = 0, 0
+  for j = 1, #flat, 2 do
+    local c = tonumber(flat[j + 1])
+    if flat[j] == 'total' then
+      total = c
+    elseif string.sub(flat[j], 1, 2) == 'c:' and c > largest then
+      largest = c
+    end
+  end
+  local f = largest / total
+  local limit = -2 * (f * p + (1 - p) / m) * math.log(delta) / (lambda * p * f) ^ 2
+  return math.floor(limit / partitions)
+end
+
+local released, pooled, trials_used, copies, borrowed = 0, 0, 0, 0, 0
+local function release(group)
+  local g = base .. ':g:' .. group
+  local ids = redis.call('LRANGE', g .. ':buf', 0, -1)
+  redis.call('DEL', g .. ':buf')
+  redis.call('ZREM', k_queue, group)
+  local limit = budget(g)
+  local trials = tonumber(redis.call('HGET', g .. ':s', 'trials') or '0')
+  for _, id in ipairs(ids) do
+    local record = cmsgpack.unpack(redis.call('HGET', k_rec, id))
+    local value, out, kind = record[4], record[5], 't'
+    if trials < limit then
+      trials = trials + 1
+      trials_used = trials_used + 1
+      redis.call('RPUSH', g .. ':tr:' .. value, out)
+      redis.call('SADD', g .. ':tv', value)
+    else
+      local source = value
+      if redis.call('LLEN', g .. ':tr:' .. source) == 0 then
+        -- No trial of this value yet and the budget is spent: copy another value's trial.
+        local with_trials = redis.call('SMEMBERS', g .. ':tv')
+        table.sort(with_trials, function(x, y) return tonumber(x) < tonumber(y) end)
+        local turn = redis.call('HINCRBY', g .. ':s', 'borrows', 1) - 1
+        source = with_trials[turn % #with_trials + 1]
+        borrowed = borrowed + 1
+        kind = 'b'
+      else
+        kind = 'c'
+      end
+      local list = g .. ':tr:' .. source
+      local turn = redis.call('HINCRBY', g .. ':s', 'cc:' .. source, 1) - 1
+      out = redis.call('LINDEX', list, turn % redis.call('LLEN', list))
+      copies = copies + 1
+    end
+    redis.call('ZADD', k_pool, now, record[2] .. '|' .. out .. '|' .. kind .. '|' .. id)
+    redis.call('HDEL', k_rec, id)
+    pooled = pooled + 1
+  end
+  redis.call('HSET', g .. ':s', 'trials', trials)
+  released = released + 1
+end
+
+for group in pairs(touched) do
+  if redis.call('LLEN', base .. ':g:' .. group .. ':buf') >= release_size then
+    release(group)
+  end
+end
+for _, group in ipairs(redis.call('ZRANGEBYSCORE', k_queue, '-inf', now - max_wait)) do
+  release(group)
+end
+
+redis.call('HINCRBY', k_stats, 'ingested', added)
+redis.call('HINCRBY', k_stats, 'redelivered', redelivered)
+redis.call('HINCRBY', k_stats, 'conflicts', conflicts)
+redis.call('HINCRBY', k_stats, 'releases', released)
+redis.call('HINCRBY', k_stats, 'pooled', pooled)
+redis.call('HINCRBY', k_stats, 'trials', trials_used)
+redis.call('HINCRBY', k_stats, 'copies', copies)
+redis.call('HINCRBY', k_stats, 'borrowed', borrowed)
+table.insert(status, 1, redis.call('ZCARD', k_pool))
+table.insert(status, 1, redis.call('HLEN', k_rec))
+return status

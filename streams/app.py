@@ -1,0 +1,247 @@
+"""The Faust worker (SPEC §3): ``<stream>.raw`` → Redis buffer → ``<stream>.published``.
+
+One agent per concern:
+
+- ``ingest`` takes raw records in batches, validates them (bad ones go to
+  ``<stream>.rejected`` with a reason), and hands each partition's batch to
+  the Redis buffer, which stores, groups and randomizes in one Lua step. The
+  batch's offsets are acknowledged only when the loop moves on, i.e. after
+  Redis (with fsync on every write) has the batch: a crash replays it, and the
+  buffer recognises the replay.
+- ``emit`` (timer) moves random records from each owned partition's mixing
+  pool to the published topic under fresh tokens, and forgets them only once
+  the broker acknowledged them; a newly assigned partition first re-sends
+  whatever its previous owner left in flight, with the same tokens.
+- ``tick`` (timer) lets time act: decoy records past ``max_wait`` are
+  suppressed, personal groups past it are released.
+
+When a partition's buffer reaches ``buffer_cap`` the ingest agent waits, so
+the consumer stops fetching instead of Redis growing without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import tempfile
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import faust
+import redis.asyncio as aioredis
+from aiokafka import AIOKafkaProducer
+from aiokafka.producer.message_accumulator import BatchBuilder
+from faust.sensors.monitor import Monitor
+from faust.types import TP, EventT, Message, StreamT
+from mode import Service
+
+from service.buffer import StreamBuffer
+from service.config import StreamConfig
+from service.ingest import Preparer, RawMessage, Rejected
+from service.prf import ServiceKey
+from service.schema import Rejection
+
+log = logging.getLogger("splu.worker")
+
+EMIT_INTERVAL = 0.1  # seconds between emission rounds
+EMIT_CHUNK = 5000  # records per take from one pool
+TICK_INTERVAL = 1.0  # seconds between time-driven steps
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class Publisher(Service):
+    """A plain aiokafka producer: batches of sends, then one wait for every ack.
+
+    tansu has no idempotent producer, so idempotence is off; duplicates after a
+    retry carry the same token and consumers drop them.
+    """
+
+    def __init__(self, bootstrap: str, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.bootstrap = bootstrap
+        self.producer: AIOKafkaProducer | None = None
+
+    async def on_start(self) -> None:
+        self.producer = AIOKafkaProducer(
+            bootstrap_servers=self.bootstrap,
+            enable_idempotence=False,
+            acks="all",
+            linger_ms=5,
+            max_batch_size=512 * 1024,
+        )
+        await self.producer.start()
+
+    async def on_stop(self) -> None:
+        if self.producer is not None:
+            await self.producer.stop()
+
+    async def send_all(self, topic: str, messages: Iterable[tuple[bytes | None, bytes]]) -> int:
+        """Send messages round-robin over the topic's partitions, in batches; await every ack.
+
+        Messages come from a randomly drawn slice of the mixing pool, so their
+        partition says nothing about their group.
+        """
+        assert self.producer is not None, "the publisher starts with the app"
+        partitions = sorted(await self.producer.partitions_for(topic))
+        batches: dict[int, BatchBuilder] = {}
+        futures = []
+        sent = 0
+        for sent, (key, value) in enumerate(messages, start=1):
+            partition = partitions[sent % len(partitions)]
+            batch = batches.get(partition)
+            if batch is None or batch.append(key=key, value=value, timestamp=None) is None:
+                if batch is not None:
+                    futures.append(
+                        await self.producer.send_batch(batch, topic, partition=partition)
+                    )
+                batch = batches[partition] = self.producer.create_batch()
+                batch.append(key=key, value=value, timestamp=None)
+        for partition, batch in batches.items():
+            futures.append(await self.producer.send_batch(batch, topic, partition=partition))
+        await asyncio.gather(*futures)
+        return sent
+
+
+class BatchMonitor(Monitor):
+    """Faust's monitor without its per-message bookkeeping, a large share of a worker's CPU.
+
+    The stream's own counters live in Redis, one update per batch.
+    """
+
+    def on_message_in(self, tp: TP, offset: int, message: Message) -> None:
+        return None
+
+    def on_stream_event_in(
+        self, tp: TP, offset: int, stream: StreamT, event: EventT
+    ) -> dict | None:
+        return None
+
+    def on_stream_event_out(
+        self, tp: TP, offset: int, stream: StreamT, event: EventT, state: dict | None = None
+    ) -> None:
+        return None
+
+    def on_message_out(self, tp: TP, offset: int, message: Message) -> None:
+        return None
+
+
+def create_app(config: StreamConfig, key: ServiceKey, loglevel: str = "warning") -> faust.App:
+    """The worker app for one stream. Settings favour quick group joins (tansu, tests)."""
+    app = faust.App(
+        f"splu-{config.name}",
+        broker=f"kafka://{config.kafka_bootstrap}",
+        value_serializer="raw",
+        key_serializer="raw",
+        processing_guarantee="at_least_once",
+        consumer_auto_offset_reset="earliest",
+        topic_allow_declare=False,
+        topic_disable_leader=True,
+        broker_rebalance_timeout=3,
+        broker_session_timeout=10,
+        broker_heartbeat_interval=1,
+        broker_commit_every=config.batch_size,
+        broker_commit_interval=1.0,
+        broker_max_poll_records=config.batch_size,
+        stream_buffer_maxsize=2 * config.batch_size,
+        web_enabled=False,
+        store="memory://",
+        datadir=Path(tempfile.gettempdir()) / f"splu-{config.name}-faust",
+        loghandlers=[],
+        Monitor=BatchMonitor,
+    )
+    raw = app.topic(
+        config.topics["raw"], partitions=config.partitions, value_serializer="raw",
+        key_serializer="raw",
+    )  # fmt: skip
+    publisher = Publisher(config.kafka_bootstrap, loop=app.loop)
+    app.add_dependency(publisher)
+    preparer = Preparer(config, key)
+    client = aioredis.from_url(config.redis_url, password=config.redis_password())
+    buffer = StreamBuffer(client, config, key)
+    owned: set[int] = set()
+    resend: set[int] = set()
+
+    def assigned() -> set[int]:
+        return {
+            tp.partition for tp in app.consumer.assignment() if tp.topic == raw.get_topic_name()
+        }
+
+    @app.on_partitions_assigned.connect
+    async def on_assigned(sender: object, assigned: set, **kwargs: object) -> None:
+        for tp in assigned:
+            if tp.topic == raw.get_topic_name() and tp.partition not in owned:
+                resend.add(tp.partition)
+
+    async def reject(rejected: list[Rejected]) -> None:
+        await publisher.send_all(
+            config.topics["rejected"], ((r.message.key, r.payload()) for r in rejected)
+        )
+        for r in rejected:
+            log.warning(
+                "rejected %s/%s: %s", r.message.partition, r.message.offset, r.rejection.reason
+            )
+
+    @app.agent(raw)
+    async def ingest(stream: faust.StreamT) -> None:
+        async for events in stream.take_events(config.batch_size, within=config.batch_wait):
+            messages = [
+                RawMessage(e.message.partition, e.message.offset, e.message.key, e.message.value)
+                for e in events
+            ]
+            batches, rejected = preparer.prepare(messages)
+            now = now_ms()
+            outcomes = await asyncio.gather(*(buffer.ingest(b.partition, b, now) for b in batches))
+            for batch, outcome in zip(batches, outcomes, strict=True):
+                for message, status in zip(batch.messages, outcome.statuses, strict=True):
+                    if status == 2:
+                        where = f"{message.partition}/{message.offset}"
+                        reason = "record id already used with different content"
+                        rejected.append(Rejected(message, Rejection(where, None, reason)))
+            if rejected:
+                await reject(rejected)
+            for batch, outcome in zip(batches, outcomes, strict=True):
+                pending = outcome.pending
+                while pending >= config.buffer_cap:
+                    # Backpressure: hold this batch's offsets until time frees room.
+                    await asyncio.sleep(config.batch_wait)
+                    pending = (await buffer.ingest(batch.partition, None, now_ms())).pending
+
+    async def publish(partition: int, items: list[tuple[str, bytes]]) -> None:
+        await publisher.send_all(
+            config.topics["published"],
+            ((token.encode(), preparer.published_json(entry)) for token, entry in items),
+        )
+        await buffer.acknowledge(partition, [token for token, _ in items])
+
+    @app.timer(interval=EMIT_INTERVAL)
+    async def emit() -> None:
+        current = assigned()
+        owned.intersection_update(current)
+        for partition in sorted(current):
+            if partition in resend or partition not in owned:
+                waiting = await buffer.in_flight(partition)
+                if waiting:
+                    log.warning(
+                        "partition %d: re-sending %d unacknowledged records",
+                        partition,
+                        len(waiting),
+                    )
+                    await publish(partition, waiting)
+                resend.discard(partition)
+                owned.add(partition)
+            while items := await buffer.take(partition, now_ms(), EMIT_CHUNK):
+                await publish(partition, items)
+                if len(items) < EMIT_CHUNK:
+                    break
+
+    @app.timer(interval=TICK_INTERVAL)
+    async def tick() -> None:
+        for partition in sorted(assigned()):
+            await buffer.ingest(partition, None, now_ms())
+
+    app.splu_buffer = buffer  # type: ignore[attr-defined]
+    return app

@@ -1,0 +1,113 @@
+"""`splu produce`: stream a CSV into ``<stream>.raw``, one JSON object per row.
+
+Each row's Kafka key is a record id, ``<file name>:<line>`` unless a column
+holds one, so producing the same file twice stores every record once, and a
+record always lands on the same partition. Rows are sent in batches and the
+producer waits for every acknowledgement; a progress line is refreshed on
+stderr.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TextIO
+
+from aiokafka import AIOKafkaProducer
+
+from service.config import StreamConfig
+
+BATCH = 1000
+PROGRESS_EVERY = 0.5  # seconds
+
+
+class ProduceError(ValueError):
+    """The input cannot be produced as it is; nothing was sent."""
+
+
+def rows_of(
+    stream: TextIO, config: StreamConfig, source: str, id_column: str | None
+) -> Iterator[tuple[bytes | None, bytes]]:
+    """(key, JSON value) per CSV row, with only the schema's columns."""
+    reader = csv.DictReader(stream)
+    header = reader.fieldnames or []
+    missing = [n for n in config.schema.names if n not in header]
+    if missing:
+        raise ProduceError(
+            f"the input has no column {missing[0]!r}; its header is {', '.join(header)}"
+        )
+    if id_column is not None and id_column not in header:
+        raise ProduceError(f"--id-column {id_column!r} is not in the header")
+    names = config.schema.names
+    for row in reader:
+        if id_column is not None:
+            key = row[id_column].encode()
+        else:
+            key = f"{source}:{reader.line_num}".encode()
+        yield key, json.dumps({n: row.get(n) for n in names}, separators=(",", ":")).encode()
+
+
+async def produce(
+    config: StreamConfig,
+    rows: Iterator[tuple[bytes | None, bytes]],
+    total: int | None = None,
+    rate: float | None = None,
+    progress: bool = True,
+) -> int:
+    """Send every row to the raw topic; returns how many were acknowledged."""
+    producer = AIOKafkaProducer(
+        bootstrap_servers=config.kafka_bootstrap,
+        enable_idempotence=False,
+        acks="all",
+        linger_ms=5,
+        max_batch_size=512 * 1024,
+    )
+    await producer.start()
+    sent, started, shown = 0, time.monotonic(), 0.0
+    try:
+        batch: list[asyncio.Future] = []
+        for key, value in rows:
+            if rate:
+                # Pace against the schedule, so bursts do not exceed the rate on average.
+                ahead = sent / rate - (time.monotonic() - started)
+                if ahead > 0:
+                    await asyncio.sleep(ahead)
+            batch.append(await producer.send(config.topics["raw"], value, key=key))
+            sent += 1
+            if len(batch) >= BATCH or rate:
+                await asyncio.gather(*batch)
+                batch.clear()
+            if progress and time.monotonic() - shown >= PROGRESS_EVERY:
+                shown = time.monotonic()
+                _progress(sent, total, started)
+        await asyncio.gather(*batch)
+    finally:
+        await producer.stop()
+    if progress:
+        _progress(sent, total, started)
+        print(file=sys.stderr)
+    return sent
+
+
+def _progress(sent: int, total: int | None, started: float) -> None:
+    elapsed = max(time.monotonic() - started, 1e-9)
+    if total:
+        width = 30
+        done = int(width * sent / total)
+        bar = f"[{'#' * done}{'.' * (width - done)}] {sent:,}/{total:,} ({sent / total:.0%})"
+    else:
+        bar = f"{sent:,} records"
+    print(f"\r  produced {bar}  {sent / elapsed:,.0f} rec/s", end="", file=sys.stderr, flush=True)
+
+
+def count_rows(path: Path) -> int | None:
+    """Data rows in a plain CSV file (for the progress bar); None when not countable cheaply."""
+    if path.suffix == ".gz" or str(path) == "-":
+        return None
+    with path.open("rb") as stream:
+        return max(sum(1 for _ in stream) - 1, 0)

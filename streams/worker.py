@@ -1,0 +1,24 @@
+"""Running the worker: `splu worker --config FILE`."""
+
+from __future__ import annotations
+
+import faust
+
+from deploy.embedded import create_topics_sync
+from service.config import StreamConfig
+from streams.app import create_app
+
+
+def ensure_topics(config: StreamConfig) -> None:
+    """Create the stream's four topics with its partition count, if missing."""
+    create_topics_sync(
+        config.kafka_bootstrap, dict.fromkeys(config.topics.values(), config.partitions)
+    )
+
+
+def run_worker(config: StreamConfig, loglevel: str = "warning") -> None:
+    """Run one worker until it is stopped (SIGTERM or Ctrl-C); it owns some partitions."""
+    key = config.service_key()
+    ensure_topics(config)
+    app = create_app(config, key)
+    faust.Worker(app, loglevel=loglevel, quiet=True).execute_from_commandline()
