@@ -600,11 +600,13 @@ def command_produce(args: argparse.Namespace) -> int:
 
     from aiokafka.errors import KafkaError
 
-    from streams.produce import count_rows, produce, rows_of
+    from streams.produce import count_rows, file_digest, produce, rows_of
 
     config = load_config(args.config)
     total = None if args.input == "-" else count_rows(Path(args.input))
-    source = "stdin" if args.input == "-" else Path(args.input).name
+    if args.input == "-" and args.id_column is None:
+        raise CommandError("from stdin, name the column holding record ids with --id-column")
+    source = None if args.input == "-" else file_digest(Path(args.input))
     _log(f"splu produce: {args.input} → {config.topics['raw']} at {config.kafka_bootstrap}")
     with _input(args.input) as stream:
         rows = rows_of(stream, config, source, args.id_column)
@@ -767,7 +769,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="stream a CSV into <stream>.raw",
         description=(
             "Send each row's schema columns as a JSON object to <stream>.raw, keyed by a\n"
-            "record id (<file name>:<line>, or --id-column), so producing the same file\n"
+            "record id (<file digest>:<line>, or --id-column), so producing the same file\n"
             "again stores nothing twice."
         ),
     )  # fmt: skip

@@ -52,7 +52,6 @@ from pathlib import Path
 from typing import Any
 
 from service.guarantees import check_reconstruction_parameters, trial_limit
-from service.mechanisms.decoy import GROUPINGS
 from service.mechanisms.personal import BUDGETS
 from service.merge import ValueMap
 from service.prf import KEY_BYTES, ServiceKey
@@ -309,7 +308,9 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
 def _decoy_settings(source: str, document: Mapping[str, Any], schema: Schema) -> DecoySettings:
     table = _table(source, document, "decoy", required=False) or _Reader(source, {}, "decoy")
     gamma = table.integer("gamma", 5, minimum=2)
-    grouping = table.text("grouping", "size-weighted", choices=GROUPINGS)
+    # Anatomy's rule is a batch comparison (`splu publish --grouping anatomy`); streams cut
+    # with the size-weighted rule only.
+    grouping = table.text("grouping", "size-weighted", choices=("size-weighted",))
     table.finish()
     for attribute in schema.sensitive:
         if attribute.size < gamma:

@@ -5,8 +5,8 @@ the producer's record id. Each accepted record gets:
 
 - a *dedup key*: ``k:<producer id>``, else ``o:<offset>`` (per partition), so
   a redelivered record is recognised and stored once;
-- a *digest* of its payload, so a record id reused with different content is
-  rejected instead of silently replacing or duplicating anything;
+- a *digest* of its validated values, so a record id reused with different
+  content is rejected instead of silently replacing or duplicating anything;
 - a 128-bit *id*: a keyed PRF of its dedup key. A redelivery gets back the same
   id, and ids are independent of content and unguessable without the key;
 - its randomization inputs, computed here by the mechanism classes the batch
@@ -155,7 +155,8 @@ class Preparer:
             partition=partition,
             messages=messages,
             dedup_keys=dedup_keys,
-            digests=[hashlib.blake2b(m.value or b"", digest_size=8).digest() for m in messages],
+            # Of the validated record, so a resend formatted differently is still the same.
+            digests=[hashlib.blake2b(row.tobytes(), digest_size=8).digest() for row in codes],
             ids=ids,
             public=[",".join(map(str, row)).encode() for row in codes[:, self._public].tolist()],
             sensitive=codes[:, self._sensitive],

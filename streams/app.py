@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import tempfile
 import time
 from collections.abc import Iterable
@@ -31,10 +32,12 @@ from pathlib import Path
 import faust
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
 from aiokafka.producer.message_accumulator import BatchBuilder
 from faust.sensors.monitor import Monitor
 from faust.types import TP, EventT, Message, StreamT
 from mode import Service
+from redis.exceptions import RedisError
 
 from service.buffer import StreamBuffer
 from service.config import StreamConfig
@@ -45,12 +48,28 @@ from service.schema import Rejection
 log = logging.getLogger("splu.worker")
 
 EMIT_INTERVAL = 0.1  # seconds between emission rounds
+EXIT_UNSTORED = 75  # EX_TEMPFAIL: a batch could not be stored; it will be redelivered
+RETRY_CEILING = 5.0  # seconds between retries while Redis or Kafka is away
+# Failures of Redis or Kafka that end by themselves; anything else is a bug.
+TRANSIENT = (RedisError, KafkaError, OSError, asyncio.TimeoutError)
 EMIT_CHUNK = 5000  # records per take from one pool
 TICK_INTERVAL = 1.0  # seconds between time-driven steps
 
 
 def now_ms() -> int:
     return int(time.time() * 1000)
+
+
+async def retrying(what: str, call, *args: object):  # type: ignore[no-untyped-def]
+    """Await call(*args) until it succeeds: a batch in hand must wait out an outage."""
+    delay = 0.1
+    while True:
+        try:
+            return await call(*args)
+        except TRANSIENT as err:
+            log.warning("%s failed (%s); retrying in %.1f s", what, type(err).__name__, delay)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, RETRY_CEILING)
 
 
 class Publisher(Service):
@@ -129,7 +148,7 @@ class BatchMonitor(Monitor):
         return None
 
 
-def create_app(config: StreamConfig, key: ServiceKey, loglevel: str = "warning") -> faust.App:
+def create_app(config: StreamConfig, key: ServiceKey) -> faust.App:
     """The worker app for one stream. Settings favour quick group joins (tansu, tests)."""
     app = faust.App(
         f"splu-{config.name}",
@@ -141,7 +160,7 @@ def create_app(config: StreamConfig, key: ServiceKey, loglevel: str = "warning")
         topic_allow_declare=False,
         topic_disable_leader=True,
         broker_rebalance_timeout=3,
-        broker_session_timeout=10,
+        broker_session_timeout=6,
         broker_heartbeat_interval=1,
         broker_commit_every=config.batch_size,
         broker_commit_interval=1.0,
@@ -181,34 +200,51 @@ def create_app(config: StreamConfig, key: ServiceKey, loglevel: str = "warning")
             config.topics["rejected"], ((r.message.key, r.payload()) for r in rejected)
         )
         for r in rejected:
-            log.warning(
-                "rejected %s/%s: %s", r.message.partition, r.message.offset, r.rejection.reason
-            )
+            where = f"{r.message.partition}/{r.message.offset}"
+            log.warning("rejected %s: %s", where, r.rejection.reason)
+
+    async def store(events: list[faust.EventT]) -> list[tuple[int, int]]:
+        """Buffer one batch and send its rejections; (partition, pending) per partition."""
+        messages = [
+            RawMessage(e.message.partition, e.message.offset, e.message.key, e.message.value)
+            for e in events
+        ]
+        batches, rejected = preparer.prepare(messages)
+        now = now_ms()
+        outcomes = await asyncio.gather(
+            *(retrying("storing a batch", buffer.ingest, b.partition, b, now) for b in batches)
+        )
+        for batch, outcome in zip(batches, outcomes, strict=True):
+            for message, status in zip(batch.messages, outcome.statuses, strict=True):
+                if status == 2:
+                    where = f"{message.partition}/{message.offset}"
+                    reason = "record id already used with different content"
+                    rejected.append(Rejected(message, Rejection(where, None, reason)))
+        if rejected:
+            await retrying("sending rejections", reject, rejected)
+        return [(b.partition, o.pending) for b, o in zip(batches, outcomes, strict=True)]
 
     @app.agent(raw)
     async def ingest(stream: faust.StreamT) -> None:
         async for events in stream.take_events(config.batch_size, within=config.batch_wait):
-            messages = [
-                RawMessage(e.message.partition, e.message.offset, e.message.key, e.message.value)
-                for e in events
-            ]
-            batches, rejected = preparer.prepare(messages)
-            now = now_ms()
-            outcomes = await asyncio.gather(*(buffer.ingest(b.partition, b, now) for b in batches))
-            for batch, outcome in zip(batches, outcomes, strict=True):
-                for message, status in zip(batch.messages, outcome.statuses, strict=True):
-                    if status == 2:
-                        where = f"{message.partition}/{message.offset}"
-                        reason = "record id already used with different content"
-                        rejected.append(Rejected(message, Rejection(where, None, reason)))
-            if rejected:
-                await reject(rejected)
-            for batch, outcome in zip(batches, outcomes, strict=True):
-                pending = outcome.pending
+            stored = False
+            try:
+                backlog = await store(events)
+                stored = True
+            finally:
+                if not stored:
+                    # take_events acknowledges a batch whenever the loop moves on, also on
+                    # an error or at shutdown, and the acks get committed. Dying first keeps
+                    # the offsets uncommitted: the batch comes back, and Redis recognises
+                    # whatever part of it was stored.
+                    log.critical("a batch could not be stored; exiting before it is acked")
+                    os._exit(EXIT_UNSTORED)
+            for partition, pending in backlog:
                 while pending >= config.buffer_cap:
-                    # Backpressure: hold this batch's offsets until time frees room.
+                    # Backpressure: hold the consumer until time frees room in this buffer.
                     await asyncio.sleep(config.batch_wait)
-                    pending = (await buffer.ingest(batch.partition, None, now_ms())).pending
+                    tick = await retrying("ticking", buffer.ingest, partition, None, now_ms())
+                    pending = tick.pending
 
     async def publish(partition: int, items: list[tuple[str, bytes]]) -> None:
         await publisher.send_all(
@@ -222,26 +258,33 @@ def create_app(config: StreamConfig, key: ServiceKey, loglevel: str = "warning")
         current = assigned()
         owned.intersection_update(current)
         for partition in sorted(current):
-            if partition in resend or partition not in owned:
-                waiting = await buffer.in_flight(partition)
-                if waiting:
-                    log.warning(
-                        "partition %d: re-sending %d unacknowledged records",
-                        partition,
-                        len(waiting),
-                    )
-                    await publish(partition, waiting)
-                resend.discard(partition)
-                owned.add(partition)
-            while items := await buffer.take(partition, now_ms(), EMIT_CHUNK):
-                await publish(partition, items)
-                if len(items) < EMIT_CHUNK:
-                    break
+            try:
+                if partition in resend or partition not in owned:
+                    waiting = await buffer.in_flight(partition)
+                    if waiting:
+                        log.warning(
+                            "partition %d: re-sending %d unacknowledged records",
+                            partition, len(waiting),
+                        )  # fmt: skip
+                        await publish(partition, waiting)
+                    resend.discard(partition)
+                    owned.add(partition)
+                while items := await buffer.take(partition, now_ms(), EMIT_CHUNK):
+                    await publish(partition, items)
+                    if len(items) < EMIT_CHUNK:
+                        break
+            except TRANSIENT as err:
+                # Whatever was taken stays in flight; send it again once things recover.
+                log.warning("partition %d: emission failed (%s)", partition, type(err).__name__)
+                resend.add(partition)
 
     @app.timer(interval=TICK_INTERVAL)
     async def tick() -> None:
         for partition in sorted(assigned()):
-            await buffer.ingest(partition, None, now_ms())
+            try:
+                await buffer.ingest(partition, None, now_ms())
+            except TRANSIENT as err:
+                log.warning("partition %d: tick failed (%s)", partition, type(err).__name__)
 
     app.splu_buffer = buffer  # type: ignore[attr-defined]
     return app

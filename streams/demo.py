@@ -26,7 +26,7 @@ import redis.asyncio as aioredis
 import tomli_w
 from aiokafka import AIOKafkaConsumer
 
-from deploy.embedded import EmbeddedServers, create_topics, spawn
+from deploy.embedded import EmbeddedServers, spawn
 from service.buffer import StreamBuffer
 from service.config import StreamConfig, load_config
 from service.reconstruct import (
@@ -38,6 +38,7 @@ from service.reconstruct import (
 )
 from service.table import open_sample, read_table
 from streams.produce import produce
+from streams.topics import create_topics
 
 EXAMPLES = {"decoy": "adult-decoy.toml", "personal": "adult-personal.toml"}
 # Shorter than production so the tail of the demo stream is not left waiting long.
@@ -136,20 +137,30 @@ async def _stream(
     )
     deadline = time.monotonic() + TIMEOUT
     totals: dict[str, int] = {}
+    live = sys.stdout.isatty()
+    shown = 0.0
+    print("waiting for the worker to join its consumer group (a few seconds)")
     while time.monotonic() < deadline:
         await asyncio.sleep(0.5)
         totals = await _totals(buffer, config)
         done = totals.get("published", 0) + totals.get("suppressed", 0)
-        print(
-            f"\r  in {totals.get('ingested', 0):7,}  buffered {totals.get('pending', 0):6,}  "
-            f"mixing pool {totals.get('pool', 0):6,}  published {totals.get('published', 0):7,}  "
-            f"suppressed {totals.get('suppressed', 0):4,}",
-            end="",
-            flush=True,
-        )
-        if producing.done() and done >= len(messages):
+        finished = producing.done() and done >= len(messages)
+        if live or finished or time.monotonic() - shown >= 5:
+            # On a terminal the line is redrawn in place; in a log, one line every 5 s.
+            shown = time.monotonic()
+            print(
+                f"{chr(13) if live else ''}  in {totals.get('ingested', 0):7,}  "
+                f"buffered {totals.get('pending', 0):6,}  "
+                f"mixing pool {totals.get('pool', 0):6,}  "
+                f"published {totals.get('published', 0):7,}  "
+                f"suppressed {totals.get('suppressed', 0):4,}",
+                end="" if live else "\n",
+                flush=True,
+            )
+        if finished:
             break
-    print()
+    if live:
+        print()
     await producing
     await client.aclose()
     if totals.get("published", 0) + totals.get("suppressed", 0) < len(messages):
@@ -237,8 +248,8 @@ def _reconstruction(config: StreamConfig, published: PublishedCells) -> Reconstr
 
 
 def _small_queries(truth: PublishedCells, sensitive: str, count: int) -> list[Query]:
-    """Deterministic conjunctions over every public column whose true count is 1 to 10."""
-    public = [c for c in truth.columns if c != sensitive]
+    """Deterministic conjunctions of three public columns whose true count is 1 to 10."""
+    public = [c for c in truth.columns if c != sensitive][-3:]
     positions = [truth.columns.index(c) for c in (*public, sensitive)]
     candidates = [
         Query(

@@ -1,16 +1,17 @@
 """`splu produce`: stream a CSV into ``<stream>.raw``, one JSON object per row.
 
-Each row's Kafka key is a record id, ``<file name>:<line>`` unless a column
-holds one, so producing the same file twice stores every record once, and a
-record always lands on the same partition. Rows are sent in batches and the
-producer waits for every acknowledgement; a progress line is refreshed on
-stderr.
+Each row's Kafka key is a record id, ``<file digest>:<line>`` unless a column
+holds one, so producing the same file twice stores every record once, another
+file never collides with it, and a record always lands on the same partition.
+Rows are sent in batches and the producer waits for every acknowledgement; a
+progress line is refreshed on stderr.
 """
 
 from __future__ import annotations
 
 import asyncio
 import csv
+import hashlib
 import json
 import sys
 import time
@@ -31,7 +32,7 @@ class ProduceError(ValueError):
 
 
 def rows_of(
-    stream: TextIO, config: StreamConfig, source: str, id_column: str | None
+    stream: TextIO, config: StreamConfig, source: str | None, id_column: str | None
 ) -> Iterator[tuple[bytes | None, bytes]]:
     """(key, JSON value) per CSV row, with only the schema's columns."""
     reader = csv.DictReader(stream)
@@ -69,19 +70,20 @@ async def produce(
     )
     await producer.start()
     sent, started, shown = 0, time.monotonic(), 0.0
+    # Batches of at most a tenth of a second's worth, so a rate is kept smoothly.
+    size = min(BATCH, max(1, int(rate / 10))) if rate else BATCH
     try:
         batch: list[asyncio.Future] = []
         for key, value in rows:
-            if rate:
-                # Pace against the schedule, so bursts do not exceed the rate on average.
-                ahead = sent / rate - (time.monotonic() - started)
-                if ahead > 0:
-                    await asyncio.sleep(ahead)
             batch.append(await producer.send(config.topics["raw"], value, key=key))
             sent += 1
-            if len(batch) >= BATCH or rate:
+            if len(batch) >= size:
                 await asyncio.gather(*batch)
                 batch.clear()
+                if rate:
+                    ahead = sent / rate - (time.monotonic() - started)
+                    if ahead > 0:
+                        await asyncio.sleep(ahead)
             if progress and time.monotonic() - shown >= PROGRESS_EVERY:
                 shown = time.monotonic()
                 _progress(sent, total, started)
@@ -103,6 +105,15 @@ def _progress(sent: int, total: int | None, started: float) -> None:
     else:
         bar = f"{sent:,} records"
     print(f"\r  produced {bar}  {sent / elapsed:,.0f} rec/s", end="", file=sys.stderr, flush=True)
+
+
+def file_digest(path: Path) -> str:
+    """A short content digest of a file: the namespace of its default record ids."""
+    digest = hashlib.blake2b(digest_size=8)
+    with path.open("rb") as stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def count_rows(path: Path) -> int | None:

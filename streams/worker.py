@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import faust
 
-from deploy.embedded import create_topics_sync
 from service.config import StreamConfig
 from streams.app import create_app
+from streams.topics import create_topics_sync
 
 
 def ensure_topics(config: StreamConfig) -> None:

@@ -28,6 +28,9 @@ from deploy.embedded import (
     create_topics_sync,
 )
 
+# Talks to a Redis-protocol server: .ci/run repeats these against Debian's redis-server.
+pytestmark = pytest.mark.redis
+
 REPO = Path(__file__).resolve().parents[1]
 
 # Started as a separate Python process, so that the test can SIGKILL or Ctrl-C it.
@@ -35,6 +38,7 @@ CHILD = """
 import sys, time
 from pathlib import Path
 from deploy.embedded import EmbeddedServers
+
 with EmbeddedServers(Path(sys.argv[1])) as endpoints:
     print(endpoints.kafka.pid, endpoints.redis.pid, flush=True)
     time.sleep(60)

@@ -1,0 +1,308 @@
+"""The Redis buffer's Lua steps against a real Redis-protocol server.
+
+Pool entries keep an audit field the emitter never publishes (a decoy record's
+group values, a personal record's trial/copy kind), so these tests can check
+what the published topic alone cannot: every group and every draw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import itertools
+import json
+import math
+import tomllib
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis.asyncio as aioredis
+
+from service.buffer import StreamBuffer
+from service.config import StreamConfig, parse_config
+from service.guarantees import trial_limit
+from service.ingest import Preparer, RawMessage
+from service.mechanisms.decoy import DecoyGroups
+from service.mechanisms.personal import UniformPerturbation
+from service.prf import ServiceKey
+from service.table import open_sample
+
+# Talks to a Redis-protocol server: .ci/run repeats these against Debian's redis-server.
+pytestmark = pytest.mark.redis
+
+EXAMPLES = Path(__file__).parents[1] / "deploy" / "examples"
+KEY = ServiceKey.from_seed(41)
+T0 = 1_700_000_000_000  # a fixed clock, advanced by hand
+
+
+def stream_config(example: str, **stream: object) -> StreamConfig:
+    document = tomllib.loads((EXAMPLES / example).read_text())
+    document["stream"].update(name=f"t{uuid.uuid4().hex[:8]}", **stream)
+    return parse_config(document, example, EXAMPLES)
+
+
+def adult_messages(config: StreamConfig, count: int, partition: int = 0) -> list[RawMessage]:
+    with open_sample() as stream:
+        rows = list(itertools.islice(csv.DictReader(stream), count))
+    names = config.schema.names
+    return [
+        RawMessage(partition, offset, None, json.dumps({n: row[n] for n in names}).encode())
+        for offset, row in enumerate(rows)
+    ]
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+async def ingest_all(
+    buffer: StreamBuffer, preparer: Preparer, messages, now: int, size: int = 1000
+):
+    outcomes, batches = [], []
+    for start in range(0, len(messages), size):
+        prepared, rejected = preparer.prepare(messages[start : start + size])
+        assert not rejected
+        for batch in prepared:
+            outcomes.append(await buffer.ingest(batch.partition, batch, now))
+            batches.append(batch)
+    return batches, outcomes
+
+
+async def pool_entries(client: aioredis.Redis, buffer: StreamBuffer, partition: int) -> list[bytes]:
+    return await client.zrange(f"{buffer.prefix(partition)}:pool", 0, -1)
+
+
+def test_decoy_groups_draws_and_redelivery(servers):
+    config = stream_config("adult-decoy.toml", partitions=1)
+
+    async def scenario():
+        client = aioredis.from_url(servers.redis_url)
+        buffer, preparer = StreamBuffer(client, config, KEY), Preparer(config, KEY)
+        messages = adult_messages(config, 5000)
+        batches, outcomes = await ingest_all(buffer, preparer, messages, T0)
+        assert all(set(o.statuses) == {0} for o in outcomes)
+        entries = await pool_entries(client, buffer, 0)
+        replay, _ = preparer.prepare(messages[:1000])
+        replayed = await buffer.ingest(0, replay[0], T0)
+        conflict = RawMessage(0, 0, None, messages[1].value)  # offset 0 again, other content
+        changed = await buffer.ingest(0, preparer.prepare([conflict])[0][0], T0)
+        stats = await buffer.stats(0)
+        await client.aclose()
+        return batches, entries, replayed, changed, stats
+
+    batches, entries, replayed, changed, stats = run(scenario())
+    gamma = config.decoy.gamma
+    true_value, draws = {}, {}
+    decoy = DecoyGroups(gamma)
+    for batch in batches:
+        for record_id, value, draw in zip(
+            batch.id_bytes(), batch.sensitive[:, 0], decoy.draws(batch.ids, KEY, "occupation"),
+            strict=True,
+        ):  # fmt: skip
+            true_value[record_id] = int(value)
+            draws[record_id] = int(draw)
+    assert stats["ingested"] == 5000 and stats["pending"] + len(entries) == 5000
+    assert stats["groups"] * gamma == len(entries)
+    for entry in entries:
+        _, published, group, record_id = entry.split(b"|")
+        values = [int(v) for v in group.split(b",")]
+        assert len(set(values)) == gamma and values == sorted(values)
+        assert true_value[record_id] in values  # its own value is one of its group's
+        assert int(published) == values[draws[record_id]]  # the keyed draw, nothing else
+    assert set(replayed.statuses) == {1} and stats["redelivered"] == 1000
+    assert changed.statuses == [2] and stats["conflicts"] == 1
+
+
+def test_decoy_groups_each_sensitive_attribute_independently(servers):
+    document = tomllib.loads((EXAMPLES / "adult-decoy.toml").read_text())
+    document["stream"].update(name=f"t{uuid.uuid4().hex[:8]}", partitions=1)
+    age = document["schema"]["public"].pop("age")
+    document["schema"]["sensitive"]["age"] = age  # six age bins ≥ γ = 5
+    config = parse_config(document, "two sensitive attributes", EXAMPLES)
+
+    async def scenario():
+        client = aioredis.from_url(servers.redis_url)
+        buffer, preparer = StreamBuffer(client, config, KEY), Preparer(config, KEY)
+        await ingest_all(buffer, preparer, adult_messages(config, 3000), T0)
+        entries = await pool_entries(client, buffer, 0)
+        stats = await buffer.stats(0)
+        await client.aclose()
+        return entries, stats
+
+    entries, stats = run(scenario())
+    # A record leaves once both attributes grouped it; ages 25-44 exceed 1/γ and wait.
+    assert len(entries) + stats["pending"] == 3000 and len(entries) > 1000
+    for entry in entries:
+        _, published, groups, _ = entry.split(b"|")
+        for value, group in zip(published.split(b","), groups.split(b";"), strict=True):
+            members = group.split(b",")
+            assert len(set(members)) == 5 and value in members
+
+
+def test_values_over_their_share_wait_then_are_suppressed(servers):
+    config = stream_config("adult-decoy.toml", partitions=1, max_wait=10.0)
+
+    async def scenario():
+        client = aioredis.from_url(servers.redis_url)
+        buffer, preparer = StreamBuffer(client, config, KEY), Preparer(config, KEY)
+        messages = [
+            m for m in adult_messages(config, 4000)
+            if json.loads(m.value)["occupation"] in ("Sales", "Tech-support", "Exec-managerial")
+        ]  # fmt: skip
+        await ingest_all(buffer, preparer, messages, T0)
+        waiting = await buffer.stats(0)
+        await buffer.ingest(0, None, T0 + 9_000)
+        still = await buffer.stats(0)
+        await buffer.ingest(0, None, T0 + 10_001)
+        after, suppressed = await buffer.stats(0), await buffer.suppressed(0)
+        await client.aclose()
+        return len(messages), waiting, still, after, suppressed
+
+    total, waiting, still, after, suppressed = run(scenario())
+    # Three values can never fill a group of five: every record waits, then is suppressed.
+    assert waiting["pending"] == still["pending"] == total and waiting["groups"] == 0
+    assert after["pending"] == 0 and after["suppressed"] == total
+    assert sum(suppressed.values()) == total
+    assert set(suppressed) == {
+        ("occupation", v) for v in ("Sales", "Tech-support", "Exec-managerial")
+    }
+
+
+def test_mixing_pool_keeps_its_size_and_flushes_when_quiet(servers):
+    config = stream_config("adult-decoy.toml", partitions=1, mixing_pool=1000, flush_interval=2.0)
+
+    async def scenario():
+        client = aioredis.from_url(servers.redis_url)
+        buffer, preparer = StreamBuffer(client, config, KEY), Preparer(config, KEY)
+        await ingest_all(buffer, preparer, adult_messages(config, 3000), T0)
+        pooled = (await buffer.stats(0))["pool"]
+        first = await buffer.take(0, T0, 10_000)
+        in_flight = await buffer.in_flight(0)
+        await buffer.acknowledge(0, [token for token, _ in first])
+        early = await buffer.take(0, T0 + 1_000, 10_000)
+        late = await buffer.take(0, T0 + 2_000, 10_000)
+        stats = await buffer.stats(0)
+        await client.aclose()
+        return pooled, first, in_flight, early, late, stats
+
+    pooled, first, in_flight, early, late, stats = run(scenario())
+    assert len(first) == pooled - 1000  # only the excess over the pool leaves
+    assert dict(in_flight) == dict(first) and len({t for t, _ in first}) == len(first)
+    assert early == [] and len(late) == 1000  # a pool quiet for flush_interval leaves whole
+    assert stats["published"] == len(first) and stats["in_flight"] == 1000
+
+
+def test_personal_trials_copies_and_budget(servers):
+    config = stream_config("adult-personal.toml", partitions=2, max_wait=5.0)
+    settings = config.personal
+    assert settings.release_size == 50
+
+    async def scenario():
+        client = aioredis.from_url(servers.redis_url)
+        buffer, preparer = StreamBuffer(client, config, KEY), Preparer(config, KEY)
+        messages = [
+            RawMessage(offset % 2, offset, m.key, m.value)
+            for offset, m in enumerate(adult_messages(config, 8000))
+        ]
+        batches, _ = await ingest_all(buffer, preparer, messages, T0)
+        await buffer.ingest(0, None, T0 + 5_000)  # the rest leave after max_wait
+        await buffer.ingest(1, None, T0 + 5_000)
+        entries = [await pool_entries(client, buffer, p) for p in (0, 1)]
+        stats = [await buffer.stats(p) for p in (0, 1)]
+        await client.aclose()
+        return batches, entries, stats
+
+    batches, entries, stats = run(scenario())
+    assert sum(len(e) for e in entries) == 8000 and all(s["pending"] == 0 for s in stats)
+    perturbation = UniformPerturbation(settings.retention, 2)
+    own, groups = {}, {}
+    for batch in batches:
+        perturbed = perturbation.perturb(batch.sensitive[:, 0], batch.ids, KEY, "income")
+        for record_id, group, value, draw in zip(
+            batch.id_bytes(), batch.groups, batch.sensitive[:, 0], perturbed, strict=True
+        ):
+            own[record_id] = (int(value), int(draw))
+            groups[record_id] = (batch.partition, group)
+    trials = Counter()
+    trial_values: dict[tuple, set[int]] = {}
+    for partition_entries in entries:
+        for entry in partition_entries:
+            _, published, kind, record_id = entry.split(b"|")
+            value, draw = own[record_id]
+            key = (*groups[record_id], value)
+            if kind == b"t":
+                assert int(published) == draw  # a trial publishes its own keyed perturbation
+                trials[groups[record_id][1]] += 1
+                trial_values.setdefault(key, set()).add(int(published))
+    for partition_entries in entries:
+        for entry in partition_entries:
+            _, published, kind, record_id = entry.split(b"|")
+            if kind == b"c":  # a copy repeats a trial of the same original value
+                key = (*groups[record_id], own[record_id][0])
+                assert int(published) in trial_values[key]
+    # Across partitions a group never gets more trials than s_g(f = 1).
+    limit = math.floor(trial_limit(1.0, settings.retention, 2, settings.lam, settings.delta))
+    assert max(trials.values()) <= limit
+    assert sum(s["trials"] for s in stats) == sum(trials.values()) < 8000
+
+
+@pytest.mark.parametrize("example", ["adult-decoy.toml", "adult-personal.toml"])
+def test_timer_ticks_are_idempotent(servers, example):
+    config = stream_config(example, partitions=1)
+
+    async def scenario():
+        client = aioredis.from_url(servers.redis_url)
+        buffer, preparer = StreamBuffer(client, config, KEY), Preparer(config, KEY)
+        await ingest_all(buffer, preparer, adult_messages(config, 1000), T0)
+        before = await buffer.stats(0)
+        for _ in range(3):
+            await buffer.ingest(0, None, T0 + 1)
+        after = await buffer.stats(0)
+        await client.aclose()
+        return before, after
+
+    before, after = run(scenario())
+    assert before == after
+
+
+def test_invalid_records_are_rejected_with_reasons():
+    config = stream_config("adult-decoy.toml", partitions=1)
+    good = json.loads(adult_messages(config, 1)[0].value)
+    cases = [
+        (b"{not json", None, "not valid JSON"),
+        (b"\xff\xfe", None, "not valid UTF-8"),
+        (b"", None, "empty message"),
+        (b"[1, 2]", None, "a record must be an object"),
+        (json.dumps({**good, "zip": "1"}).encode(), "zip", "unknown attribute"),
+        (json.dumps({**good, "occupation": None}).encode(), "occupation", "missing value"),
+        (json.dumps({**good, "occupation": "Astronaut"}).encode(), "occupation", "outside"),
+        (json.dumps({**good, "age": 12}).encode(), "age", "outside the bins"),
+        (json.dumps({**good, "sex": 1.5}).encode(), "sex", "expected a string"),
+        (b"{" + b" " * 70_000 + b"}", None, "exceeds"),
+        (b"[" * 50_000, None, "not valid JSON"),
+    ]
+    messages = [RawMessage(0, i, None, value) for i, (value, _, _) in enumerate(cases)]
+    batches, rejected = Preparer(config, KEY).prepare(messages)
+    assert batches == [] and len(rejected) == len(cases)
+    for rejection, (_, field, reason) in zip(rejected, cases, strict=True):
+        assert rejection.rejection.field == field and reason in rejection.rejection.reason
+        assert "Astronaut" not in rejection.rejection.reason
+        payload = json.loads(rejection.payload())
+        assert payload["offset"] == rejection.message.offset and payload["reason"]
+
+
+def test_ids_are_keyed_by_dedup_key_not_content():
+    config = stream_config("adult-decoy.toml", partitions=2)
+    preparer = Preparer(config, KEY)
+    message = adult_messages(config, 1)[0]
+    same = [RawMessage(0, 7, b"r1", message.value), RawMessage(0, 9, b"r1", b'{"other": 1}')]
+    first = preparer.prepare([same[0]])[0][0]
+    assert first.dedup_keys == [b"k:r1"]
+    by_offset = preparer.prepare([RawMessage(1, 7, None, message.value)])[0][0]
+    assert by_offset.dedup_keys == [b"o:7"]
+    again = preparer.prepare([RawMessage(0, 99, b"r1", message.value)])[0][0]
+    assert np.array_equal(first.ids, again.ids)  # a redelivery gets its id back
+    assert not np.array_equal(first.ids, by_offset.ids)

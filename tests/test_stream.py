@@ -1,0 +1,282 @@
+"""The whole stream: a real worker process between the embedded broker and Redis server.
+
+Each record carries a unique public `row` so the published topic can be matched
+back to the input; decoy groups ignore public values and the personal merge map
+puts every row in one class, so `row` changes no grouping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import itertools
+import json
+import os
+import secrets
+import sys
+import time
+import tomllib
+import uuid
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+import tomli_w
+from aiokafka import AIOKafkaConsumer
+
+from deploy.embedded import RedisServer, spawn
+from service.buffer import StreamBuffer
+from service.config import StreamConfig, load_config
+from service.table import open_sample
+from streams.produce import produce
+from streams.topics import create_topics
+
+# Talks to a Redis-protocol server: .ci/run repeats these against Debian's redis-server.
+pytestmark = pytest.mark.redis
+
+EXAMPLES = Path(__file__).parents[1] / "deploy" / "examples"
+RECORDS = 20_000
+TIMEOUT = 180.0
+
+
+class Harness:
+    """Config, worker process, producer and observers of one test stream."""
+
+    def __init__(
+        self, servers, directory: Path, example: str, redis_url: str | None = None
+    ) -> None:
+        document = tomllib.loads((EXAMPLES / example).read_text())
+        name = f"it{uuid.uuid4().hex[:8]}"
+        document["stream"].update(name=name, partitions=2, max_wait=3.0, flush_interval=1.0)
+        document["stream"]["mixing_pool"] = 500
+        document["kafka"]["bootstrap"] = servers.kafka_bootstrap
+        document["redis"]["url"] = redis_url or servers.redis_url
+        rows = [str(i) for i in range(RECORDS)]
+        document["schema"]["public"] = {"row": {"domain": rows}, **document["schema"]["public"]}
+        if "personal" in document:
+            merge = tomllib.loads((EXAMPLES / document["personal"]["merge_map"]).read_text())
+            merge["merge"]["classes"]["row"] = [rows]
+            (directory / "merge.toml").write_text(tomli_w.dumps(merge))
+            document["personal"]["merge_map"] = "merge.toml"
+        self.path = directory / f"{name}.toml"
+        self.path.write_text(tomli_w.dumps(document))
+        self.env = {**os.environ, "SPLU_SERVICE_KEY": secrets.token_hex(32)}
+        self.env.pop("KAFKA_BOOTSTRAP", None)
+        self.env.pop("REDIS_URL", None)
+        os.environ["SPLU_SERVICE_KEY"] = self.env["SPLU_SERVICE_KEY"]
+        self.config: StreamConfig = load_config(self.path)
+        self.log = directory / f"{name}.log"
+        self.worker = None
+
+    def start_worker(self) -> None:
+        command = [sys.executable, "-m", "service.cli", "worker", "--config", str(self.path)]
+        self.worker = spawn(command, env=self.env, log_path=self.log)
+
+    async def totals(self, client: aioredis.Redis) -> dict[str, int]:
+        buffer = StreamBuffer(client, self.config, self.config.service_key())
+        totals: dict[str, int] = {}
+        for partition in range(self.config.partitions):
+            for name, value in (await buffer.stats(partition)).items():
+                totals[name] = totals.get(name, 0) + value
+        return totals
+
+    async def waiting(self, client: aioredis.Redis) -> dict[str, str]:
+        """Row → published sensitive codes of every record in a pool or in flight."""
+        out = {}
+        for partition in range(self.config.partitions):
+            prefix = StreamBuffer(client, self.config, self.config.service_key()).prefix(partition)
+            entries = list(await client.zrange(f"{prefix}:pool", 0, -1))
+            entries += list((await client.hgetall(f"{prefix}:inflight")).values())
+            for entry in entries:
+                public, published, _ = entry.decode().split("|", 2)
+                out[public.split(",")[0]] = published  # `row` is the first public column
+        return out
+
+    async def read(self, topic: str, expected: int, key=None) -> dict:
+        consumer = AIOKafkaConsumer(
+            topic, bootstrap_servers=self.config.kafka_bootstrap,
+            auto_offset_reset="earliest", enable_auto_commit=False,
+        )  # fmt: skip
+        await consumer.start()
+        seen: dict = {}
+        deadline = time.monotonic() + 30
+        try:
+            while len(seen) < expected and time.monotonic() < deadline:
+                for messages in (await consumer.getmany(timeout_ms=500)).values():
+                    for message in messages:
+                        seen[key(message) if key else message.key] = message.value
+        finally:
+            await consumer.stop()
+        return seen
+
+
+def adult_rows(config: StreamConfig) -> list[tuple[bytes, bytes]]:
+    names = [n for n in config.schema.names if n != "row"]
+    with open_sample() as stream:
+        rows = list(itertools.islice(csv.DictReader(stream), RECORDS))
+    return [
+        (f"r{i}".encode(), json.dumps({"row": str(i), **{n: row[n] for n in names}}).encode())
+        for i, row in enumerate(rows)
+    ]
+
+
+def bad_messages(good: bytes) -> list[tuple[bytes, bytes]]:
+    record = json.loads(good)
+    return [
+        (b"bad-json", b"{not json"),
+        (b"bad-utf8", b"\xff\xfe\xfd"),
+        (b"bad-empty", b""),
+        (b"bad-list", b"[1,2,3]"),
+        (b"bad-unknown", json.dumps({**record, "zip": "02139"}).encode()),
+        (b"bad-domain", json.dumps({**record, "sex": "Unknown"}).encode()),
+        (b"bad-missing", json.dumps({k: v for k, v in record.items() if k != "row"}).encode()),
+        (b"bad-huge", b'{"x": "' + b"y" * 70_000 + b'"}'),
+    ]
+
+
+@pytest.mark.parametrize("example", ["adult-decoy.toml", "adult-personal.toml"])
+def test_stream_end_to_end_with_kills_and_replay(servers, tmp_path, example):
+    harness = Harness(servers, tmp_path, example)
+    config = harness.config
+    asyncio.run(create_topics(config.kafka_bootstrap, dict.fromkeys(config.topics.values(), 2)))
+    rows = adult_rows(config)
+    bad = bad_messages(rows[0][1])
+    conflicts = [(key, rows[(i + 1) % 100][1]) for i, (key, _) in enumerate(rows[:10])]
+    repeats = rows[100:150]
+    harness.start_worker()
+    snapshots: dict[str, str] = {}
+
+    async def run_stream() -> dict[str, int]:
+        client = aioredis.from_url(config.redis_url)
+        producing = asyncio.create_task(
+            produce(config, iter(rows + bad + conflicts + repeats), rate=8000, progress=False)
+        )
+        kills = [0.3 * RECORDS, 0.7 * RECORDS]
+        deadline = time.monotonic() + TIMEOUT
+        totals: dict[str, int] = {}
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+            totals = await harness.totals(client)
+            if kills and totals.get("ingested", 0) >= kills[0]:
+                kills.pop(0)
+                harness.worker.kill()
+                snapshots.update(await harness.waiting(client))
+                harness.start_worker()
+            done = totals.get("published", 0) + totals.get("suppressed", 0)
+            if producing.done() and not kills and done == RECORDS and totals["in_flight"] == 0:
+                break
+        await producing
+        await client.aclose()
+        return totals
+
+    try:
+        totals = asyncio.run(run_stream())
+        published = asyncio.run(harness.read(config.topics["published"], totals["published"]))
+        expected_rejections = len(bad) + len(conflicts)
+        rejected = asyncio.run(
+            harness.read(
+                config.topics["rejected"], expected_rejections,
+                key=lambda m: (json.loads(m.value)["partition"], json.loads(m.value)["offset"]),
+            )
+        )  # fmt: skip
+
+        # Every accepted record is published once or suppressed; counts add up exactly.
+        assert totals["ingested"] == RECORDS, totals
+        assert totals["published"] + totals.get("suppressed", 0) == RECORDS
+        assert totals["pending"] == totals["pool"] == totals["in_flight"] == 0
+        assert len(published) == totals["published"]  # distinct tokens
+        records = [json.loads(v) for v in published.values()]
+        by_row = {r["row"]: r for r in records}
+        assert len(by_row) == len(records)  # no record under two tokens
+        assert totals["conflicts"] == len(conflicts) and totals["redelivered"] >= len(repeats)
+        assert len(rejected) == expected_rejections
+
+        # Nothing but the schema's attributes, values from their domains, tokens only as keys.
+        names = set(config.schema.names)
+        assert all(set(r) == names for r in records)
+        for attribute in config.schema.attributes:
+            assert {r[attribute.name] for r in records} <= set(attribute.domain)
+        assert all(len(token) == 32 and int(token, 16) >= 0 for token in published)
+
+        # A record waiting when the worker was killed kept its randomized value.
+        assert snapshots, "the kills should find records in the pool"
+        for row, codes in snapshots.items():
+            if row in by_row:
+                sensitive = [a for a in config.schema.attributes if a.sensitive]
+                values = [
+                    a.domain[int(c)] for a, c in zip(sensitive, codes.split(","), strict=True)
+                ]
+                assert [by_row[row][a.name] for a in sensitive] == values
+
+        # A replayed raw stream publishes nothing new.
+        asyncio.run(produce(config, iter(rows), progress=False))
+
+        async def replayed() -> dict[str, int]:
+            client = aioredis.from_url(config.redis_url)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                again = await harness.totals(client)
+                if again["redelivered"] >= totals["redelivered"] + RECORDS:
+                    break
+                await asyncio.sleep(0.2)
+            await asyncio.sleep(1.5)  # longer than flush_interval: anything new would be out
+            again = await harness.totals(client)
+            await client.aclose()
+            return again
+
+        again = asyncio.run(replayed())
+        assert again["redelivered"] == totals["redelivered"] + RECORDS
+        assert again["ingested"] == totals["ingested"] and again["published"] == totals["published"]
+        assert again["pool"] == again["in_flight"] == again["pending"] == 0
+    finally:
+        harness.worker.stop()
+
+
+def test_a_redis_outage_loses_nothing(servers, tmp_path):
+    """Redis dies mid-stream and comes back from its append-only file: the worker waits,
+    commits no offset for a batch Redis does not hold, and every record arrives."""
+    redis_server = RedisServer(tmp_path / "redis")
+    redis_server.start()
+    harness = Harness(servers, tmp_path, "adult-decoy.toml", redis_url=redis_server.url)
+    config = harness.config
+    asyncio.run(create_topics(config.kafka_bootstrap, dict.fromkeys(config.topics.values(), 2)))
+    rows = adult_rows(config)
+    harness.start_worker()
+
+    async def run_stream() -> dict[str, int]:
+        producing = asyncio.create_task(produce(config, iter(rows), rate=4000, progress=False))
+        client = aioredis.from_url(config.redis_url)
+        deadline = time.monotonic() + TIMEOUT
+        outage_done = False
+        totals: dict[str, int] = {}
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+            if not outage_done and redis_server.running:
+                totals = await harness.totals(client)
+                if totals.get("ingested", 0) >= RECORDS // 4:
+                    redis_server.kill()
+                    await asyncio.sleep(3)  # the worker keeps consuming into retries
+                    redis_server.start()
+                    await client.aclose()
+                    client = aioredis.from_url(config.redis_url)
+                    outage_done = True
+                continue
+            totals = await harness.totals(client)
+            done = totals.get("published", 0) + totals.get("suppressed", 0)
+            if producing.done() and done == RECORDS and totals["in_flight"] == 0:
+                break
+        await producing
+        await client.aclose()
+        return totals
+
+    try:
+        totals = asyncio.run(run_stream())
+        assert harness.worker.running, "the worker rides out the outage"
+        assert totals["ingested"] == RECORDS, totals
+        assert totals["published"] + totals.get("suppressed", 0) == RECORDS
+        published = asyncio.run(harness.read(config.topics["published"], totals["published"]))
+        rows_published = {json.loads(v)["row"] for v in published.values()}
+        assert len(rows_published) == len(published) == totals["published"]
+    finally:
+        harness.worker.stop()
+        redis_server.stop()
