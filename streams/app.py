@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -148,10 +147,15 @@ class BatchMonitor(Monitor):
         return None
 
 
-def create_app(config: StreamConfig, key: ServiceKey) -> faust.App:
-    """The worker app for one stream. Settings favour quick group joins (tansu, tests)."""
-    app = faust.App(
-        f"splu-{config.name}",
+def faust_app(config: StreamConfig, name: str, datadir: Path) -> faust.App:
+    """A Faust app with the settings every worker of a stream uses.
+
+    Short rebalance and session timeouts keep group joins and failovers to a
+    few seconds (tansu, tests); topics are never declared by Faust, because
+    the stream's partition count is created explicitly (`streams/topics.py`).
+    """
+    return faust.App(
+        name,
         broker=f"kafka://{config.kafka_bootstrap}",
         value_serializer="raw",
         key_serializer="raw",
@@ -168,10 +172,15 @@ def create_app(config: StreamConfig, key: ServiceKey) -> faust.App:
         stream_buffer_maxsize=2 * config.batch_size,
         web_enabled=False,
         store="memory://",
-        datadir=Path(tempfile.gettempdir()) / f"splu-{config.name}-faust",
+        datadir=datadir,
         loghandlers=[],
         Monitor=BatchMonitor,
     )
+
+
+def create_app(config: StreamConfig, key: ServiceKey, datadir: Path) -> faust.App:
+    """The worker app for one stream."""
+    app = faust_app(config, f"splu-{config.name}", datadir)
     raw = app.topic(
         config.topics["raw"], partitions=config.partitions, value_serializer="raw",
         key_serializer="raw",

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import faust
 
 from service.config import StreamConfig
@@ -20,5 +23,7 @@ def run_worker(config: StreamConfig, loglevel: str = "warning") -> None:
     """Run one worker until it is stopped (SIGTERM or Ctrl-C); it owns some partitions."""
     key = config.service_key()
     ensure_topics(config)
-    app = create_app(config, key)
-    faust.Worker(app, loglevel=loglevel, quiet=True).execute_from_commandline()
+    # Faust wants a data directory even with in-memory tables; nothing in it outlives us.
+    with tempfile.TemporaryDirectory(prefix=f"splu-{config.name}-") as datadir:
+        app = create_app(config, key, Path(datadir))
+        faust.Worker(app, loglevel=loglevel, quiet=True).execute_from_commandline()

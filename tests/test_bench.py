@@ -25,6 +25,11 @@ BENCH = Path(__file__).parents[1] / "bench"
             ["--queries", "20", "--publications", "1", "--rows", "5000", "--repeats", "1"],
             "SPS publish 5,000 rows",
         ),
+        (
+            "stream_throughput.py",
+            ["--records", "5000", "--buffered", "5000"],
+            "Redis bytes per buffered record",
+        ),
     ],
 )
 def test_benchmark_runs(script, arguments, expected):

@@ -24,9 +24,8 @@ from deploy.embedded import (
     Endpoints,
     RedisServer,
     ServerStartError,
-    create_topics,
-    create_topics_sync,
 )
+from streams.topics import create_topics, create_topics_sync
 
 # Talks to a Redis-protocol server: .ci/run repeats these against Debian's redis-server.
 pytestmark = pytest.mark.redis

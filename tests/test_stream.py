@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import csv
+import ctypes
 import itertools
 import json
 import os
 import secrets
+import subprocess
 import sys
 import time
 import tomllib
@@ -36,6 +38,7 @@ pytestmark = pytest.mark.redis
 
 EXAMPLES = Path(__file__).parents[1] / "deploy" / "examples"
 RECORDS = 20_000
+PR_SET_CHILD_SUBREAPER = 36
 TIMEOUT = 180.0
 
 
@@ -280,3 +283,36 @@ def test_a_redis_outage_loses_nothing(servers, tmp_path):
     finally:
         harness.worker.stop()
         redis_server.stop()
+
+
+def children() -> set[int]:
+    """Live processes whose parent is this one."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(") ", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z" and int(fields[1]) == os.getpid():
+                found.add(int(entry.name))
+    return found
+
+
+def test_demo_runs_and_leaves_nothing_behind():
+    # As a subreaper, this process inherits whatever the demo leaves running: it would
+    # show up here as a new child instead of vanishing under init.
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1) == 0
+    before = children()
+    result = subprocess.run(
+        [sys.executable, "-m", "service.cli", "demo", "--records", "5000"],
+        capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "large counts: mean relative error" in result.stdout
+    assert "every process it started has stopped" in result.stdout
+    deadline = time.monotonic() + 5
+    while children() - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert children() - before == set()
