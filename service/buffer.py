@@ -36,7 +36,8 @@ def _csv(codes: list[int]) -> bytes:
 
 
 def _script(name: str) -> str:
-    return resources.files("service").joinpath("lua", f"{name}.lua").read_text()
+    scripts = resources.files("service").joinpath("lua")
+    return scripts.joinpath("common.lua").read_text() + scripts.joinpath(f"{name}.lua").read_text()
 
 
 @dataclass(frozen=True)

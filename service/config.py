@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import os
 import stat
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +54,7 @@ from service.guarantees import check_reconstruction_parameters, trial_limit
 from service.mechanisms.personal import BUDGETS
 from service.merge import ValueMap
 from service.prf import KEY_BYTES, ServiceKey
-from service.schema import Schema, SchemaError
+from service.schema import Schema, SchemaError, read_toml
 
 MECHANISMS = ("decoy", "personal")
 TOPIC_ROLES = ("raw", "published", "rejected", "reports")
@@ -209,13 +208,7 @@ def _table(source: str, document: Mapping[str, Any], name: str, required: bool) 
 def load_config(path: str | Path) -> StreamConfig:
     """Read and validate a stream's TOML file."""
     path = Path(path)
-    try:
-        document = tomllib.loads(path.read_text(encoding="utf-8"))
-    except OSError as err:
-        raise ConfigError(f"cannot read {path}: {err.strerror}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
-        raise ConfigError(f"{path}: not valid TOML: {err}") from None
-    return parse_config(document, str(path), path.parent)
+    return parse_config(read_toml(path, ConfigError), str(path), path.parent)
 
 
 def parse_config(document: Mapping[str, Any], source: str, base: Path) -> StreamConfig:

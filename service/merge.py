@@ -21,7 +21,6 @@ the map only decides which rows share a personal group.
 
 from __future__ import annotations
 
-import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,7 @@ import numpy as np
 import tomli_w
 from scipy import stats
 
-from service.schema import SchemaError
+from service.schema import SchemaError, read_toml
 from service.table import Table
 
 
@@ -79,13 +78,7 @@ class ValueMap:
     @classmethod
     def load(cls, path: str | Path) -> ValueMap:
         path = Path(path)
-        try:
-            document = tomllib.loads(path.read_text(encoding="utf-8"))
-        except OSError as err:
-            raise SchemaError(f"cannot read {path}: {err.strerror}") from None
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
-            raise SchemaError(f"{path}: not valid TOML: {err}") from None
-        merge = document.get("merge")
+        merge = read_toml(path).get("merge")
         if not isinstance(merge, Mapping):
             raise SchemaError(f"{path}: no [merge] table (write one with `splu merge`)")
         try:

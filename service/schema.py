@@ -58,6 +58,16 @@ class RecordError(ValueError):
         self.rejection = rejection
 
 
+def read_toml(path: Path, error: type[SchemaError] = SchemaError) -> dict[str, Any]:
+    """A TOML file as a dict, or `error` naming the file and what is wrong with it."""
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise error(f"cannot read {path}: {err.strerror}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise error(f"{path}: not valid TOML: {err}") from None
+
+
 def _number_text(x: float) -> str:
     return f"{x:g}"
 
@@ -242,12 +252,7 @@ class Schema:
     @classmethod
     def load(cls, path: str | Path) -> Schema:
         path = Path(path)
-        try:
-            document = tomllib.loads(path.read_text(encoding="utf-8"))
-        except OSError as err:
-            raise SchemaError(f"cannot read {path}: {err.strerror}") from None
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
-            raise SchemaError(f"{path}: not valid TOML: {err}") from None
+        document = read_toml(path)
         if "schema" not in document:
             raise SchemaError(f"{path}: no [schema] table")
         return cls.from_mapping(document["schema"], source=str(path))

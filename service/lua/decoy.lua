@@ -38,18 +38,16 @@ for r = 1, n do
   local a2 = string.find(arg, '|', a1 + 1, true)
   local a3 = string.find(arg, '|', a2 + 1, true)
   local public, dedup = string.sub(arg, 41, a1 - 1), string.sub(arg, a3 + 1)
-  local known = redis.call('HGET', k_dedup, dedup)
-  if known then
-    local code = known == digest and 1 or 2
+  local seen = remember(k_dedup, dedup, digest)
+  if seen > 0 then
     status[#status + 1] = r
-    status[#status + 1] = code
-    if code == 1 then
+    status[#status + 1] = seen
+    if seen == 1 then
       redelivered = redelivered + 1
     else
       conflicts = conflicts + 1
     end
   else
-    redis.call('HSET', k_dedup, dedup, digest)
     local values = split(string.sub(arg, a1 + 1, a2 - 1))
     local draws = split(string.sub(arg, a2 + 1, a3 - 1))
     for a = 1, w do

@@ -40,18 +40,16 @@ for r = 1, n do
   local public, group = string.sub(arg, 41, a1 - 1), string.sub(arg, a1 + 1, a2 - 1)
   local value, perturbed = string.sub(arg, a2 + 1, a3 - 1), string.sub(arg, a3 + 1, a4 - 1)
   local dedup = string.sub(arg, a4 + 1)
-  local known = redis.call('HGET', k_dedup, dedup)
-  if known then
-    local code = known == digest and 1 or 2
+  local seen = remember(k_dedup, dedup, digest)
+  if seen > 0 then
     status[#status + 1] = r
-    status[#status + 1] = code
-    if code == 1 then
+    status[#status + 1] = seen
+    if seen == 1 then
       redelivered = redelivered + 1
     else
       conflicts = conflicts + 1
     end
   else
-    redis.call('HSET', k_dedup, dedup, digest)
     redis.call('HSET', k_rec, id, cmsgpack.pack({now, public, group, value, perturbed}))
     local g = base .. ':g:' .. group
     if redis.call('RPUSH', g .. ':buf', id) == 1 then
