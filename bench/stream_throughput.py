@@ -78,7 +78,7 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import ConsumerRecord
 from report import log, print_table
 
-from deploy.embedded import EmbeddedServers, spawn
+from deploy.embedded import EmbeddedServers, spawn, spawn_worker
 from service.buffer import StreamBuffer
 from service.config import StreamConfig, load_config, parse_config
 from service.ingest import Preparer, RawMessage
@@ -339,9 +339,7 @@ async def paced_produce(
 async def passthrough_capacity(
     config: StreamConfig, messages: list[tuple[bytes, bytes]], env: Mapping[str, str], work: Path
 ) -> Capacity:
-    await create_topics(
-        config.kafka_bootstrap, dict.fromkeys(config.topics.values(), config.partitions)
-    )
+    await create_topics(config.kafka_bootstrap, config.topic_partitions)
     await pre_produce(config, messages)
     records = len(messages)
     deadline = time.monotonic() + READY_TIMEOUT + records / SLOWEST_RATE
@@ -366,9 +364,7 @@ async def pipeline_capacity(
     config: StreamConfig, messages: list[tuple[bytes, bytes]], env: Mapping[str, str], work: Path
 ) -> tuple[Capacity, float]:
     """The pipeline's run on pre-produced records, and Redis growth per ingested record."""
-    await create_topics(
-        config.kafka_bootstrap, dict.fromkeys(config.topics.values(), config.partitions)
-    )
+    await create_topics(config.kafka_bootstrap, config.topic_partitions)
     await pre_produce(config, messages)
     records = len(messages)
     deadline = time.monotonic() + READY_TIMEOUT + records / SLOWEST_RATE + config.max_wait
@@ -376,11 +372,7 @@ async def pipeline_capacity(
     buffer = StreamBuffer(client, config, config.service_key())
     before = await used_memory(client)
     log_path = work / "pipeline.log"
-    worker = spawn(
-        [sys.executable, "-m", "service.cli", "worker", "--config", config.source],
-        env=env,
-        log_path=log_path,
-    )
+    worker = spawn_worker(config.source, env, log_path)
     try:
         started, counts = await follow_buffer(buffer, config, records, deadline, log_path)
         after = await used_memory(client)
@@ -406,18 +398,12 @@ async def pipeline_delays(
     env: Mapping[str, str],
     work: Path,
 ) -> Delays:
-    await create_topics(
-        config.kafka_bootstrap, dict.fromkeys(config.topics.values(), config.partitions)
-    )
+    await create_topics(config.kafka_bootstrap, config.topic_partitions)
     records = len(messages)
     client = aioredis.from_url(config.redis_url)
     buffer = StreamBuffer(client, config, config.service_key())
     log_path = work / "paced.log"
-    worker = spawn(
-        [sys.executable, "-m", "service.cli", "worker", "--config", config.source],
-        env=env,
-        log_path=log_path,
-    )
+    worker = spawn_worker(config.source, env, log_path)
     try:
         # Records produced before the worker owns its partitions would queue behind the join.
         await wait_until_owned(client, buffer, config.partitions)

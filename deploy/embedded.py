@@ -271,6 +271,15 @@ def spawn(
     return process
 
 
+def spawn_worker(
+    config_path: str | Path, env: Mapping[str, str] | None = None, log_path: Path | None = None
+) -> ManagedProcess:
+    """Start `splu worker --config config_path` as spawn() starts a command."""
+    return spawn(
+        [sys.executable, "-m", "service.cli", "worker", "--config", str(config_path)], env, log_path
+    )
+
+
 # Servers started and not yet stopped, for the atexit handler: it stops servers started without
 # the context manager (benchmarks, fault tests) and those whose stop() a Ctrl-C interrupted.
 _started: set[_Server] = set()

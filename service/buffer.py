@@ -35,9 +35,9 @@ def _csv(codes: list[int]) -> bytes:
     return b",".join(b"%d" % c for c in codes)
 
 
-def _script(name: str) -> str:
+def _script(*names: str) -> str:
     scripts = resources.files("service").joinpath("lua")
-    return scripts.joinpath("common.lua").read_text() + scripts.joinpath(f"{name}.lua").read_text()
+    return "".join(scripts.joinpath(f"{name}.lua").read_text() for name in names)
 
 
 @dataclass(frozen=True)
@@ -55,8 +55,7 @@ class StreamBuffer:
     def __init__(self, client: aioredis.Redis, config: StreamConfig, key: ServiceKey) -> None:
         self.client = client
         self.config = config
-        scripts = {"decoy": "decoy", "personal": "personal"}
-        self._ingest = client.register_script(_script(scripts[config.mechanism]))
+        self._ingest = client.register_script(_script("ingest", config.mechanism))
         self._take = client.register_script(_script("emit"))
         self._acknowledge = client.register_script(_script("acknowledge"))
         # Secret per-partition seeds for the keyed choice of decoy groups.

@@ -175,6 +175,12 @@ def _report_rejections(rejections: Sequence[Rejection]) -> None:
         _log(f"    ... and {len(rejections) - SHOWN:,} more (all listed by --report)")
 
 
+def _only_sensitive(table: Table, command: str) -> str:
+    if len(table.schema.sensitive) != 1:
+        raise CommandError(f"{command} takes exactly one --sensitive column")
+    return table.schema.sensitive[0].name
+
+
 def _key_and_ids(seed: int | None, n: int) -> tuple[ServiceKey, np.ndarray]:
     if seed is None:
         return ServiceKey.fresh(), random_ids(n)
@@ -227,9 +233,7 @@ def _publish_decoy(
 def _publish_personal(
     settings: dict[str, Any], table: Table, ids: np.ndarray, key: ServiceKey
 ) -> tuple[Table, dict[str, Any]]:
-    if len(table.schema.sensitive) != 1:
-        raise CommandError("--mechanism personal takes exactly one --sensitive column")
-    sensitive = table.schema.sensitive[0].name
+    sensitive = _only_sensitive(table, "--mechanism personal")
     value_map = _value_map(settings["merge_map"], table, sensitive)
     mechanism = PersonalGroups(
         settings["retention"], settings["lam"], settings["delta"], settings["budget"], value_map
@@ -469,9 +473,7 @@ def command_merge(args: argparse.Namespace) -> int:
 def command_audit_personal(args: argparse.Namespace) -> int:
     table, rejections = _read_input_table(args)
     _report_rejections(rejections)
-    if len(table.schema.sensitive) != 1:
-        raise CommandError("the personal-group audit takes exactly one --sensitive column")
-    sensitive = table.schema.sensitive[0].name
+    sensitive = _only_sensitive(table, "the personal-group audit")
     value_map = _value_map(args.merge_map, table, sensitive)
     mechanism = PersonalGroups(args.retention, args.lam, args.delta, args.budget, value_map)
     key, ids = _key_and_ids(args.seed, len(table))
@@ -519,9 +521,7 @@ def command_audit_personal(args: argparse.Namespace) -> int:
 def command_audit_dp(args: argparse.Namespace) -> int:
     table, rejections = _read_input_table(args)
     _report_rejections(rejections)
-    if len(table.schema.sensitive) != 1:
-        raise CommandError("the DP audit takes exactly one --sensitive column")
-    sensitive = table.schema.sensitive[0].name
+    sensitive = _only_sensitive(table, "the DP audit")
     reports = [
         audit_disclosures(
             table, sensitive, epsilon, tau=args.tau, k_cp=args.k_cp, k_j=args.k_j,

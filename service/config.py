@@ -109,6 +109,11 @@ class StreamConfig:
     def sensitive(self) -> list[str]:
         return [a.name for a in self.schema.sensitive]
 
+    @property
+    def topic_partitions(self) -> dict[str, int]:
+        """Each of the stream's topics with the stream's partition count."""
+        return dict.fromkeys(self.topics.values(), self.partitions)
+
     def service_key(self) -> ServiceKey:
         """The key behind every keyed draw, from the environment or a private file."""
         if self.key_env is not None:

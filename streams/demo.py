@@ -26,7 +26,7 @@ import redis.asyncio as aioredis
 import tomli_w
 from aiokafka import AIOKafkaConsumer
 
-from deploy.embedded import EmbeddedServers, spawn
+from deploy.embedded import EmbeddedServers, spawn_worker
 from service.buffer import StreamBuffer
 from service.config import StreamConfig, load_config
 from service.reconstruct import (
@@ -97,16 +97,8 @@ def run_demo(
                 f"(Kafka {servers.kafka_bootstrap}, Redis {servers.redis_url}), "
                 f"{config.partitions} partitions"
             )
-            asyncio.run(
-                create_topics(
-                    config.kafka_bootstrap, dict.fromkeys(config.topics.values(), config.partitions)
-                )
-            )
-            worker = spawn(
-                [sys.executable, "-m", "service.cli", "worker", "--config", str(config_path)],
-                env=env,
-                log_path=work / "worker.log",
-            )
+            asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
+            worker = spawn_worker(config_path, env, work / "worker.log")
             try:
                 truth, published = asyncio.run(_stream(config, records, rate))
             finally:

@@ -14,9 +14,7 @@ from streams.topics import create_topics_sync
 
 def ensure_topics(config: StreamConfig) -> None:
     """Create the stream's four topics with its partition count, if missing."""
-    create_topics_sync(
-        config.kafka_bootstrap, dict.fromkeys(config.topics.values(), config.partitions)
-    )
+    create_topics_sync(config.kafka_bootstrap, config.topic_partitions)
 
 
 def run_worker(config: StreamConfig, loglevel: str = "warning") -> None:

@@ -268,6 +268,26 @@ def test_timer_ticks_are_idempotent(servers, example):
     assert before == after
 
 
+@pytest.mark.parametrize("example", ["adult-decoy.toml", "adult-personal.toml"])
+def test_record_keys_may_hold_the_field_separator(servers, example):
+    config = stream_config(example, partitions=1)
+    value = adult_messages(config, 1)[0].value
+    keys = [b"a|b", b"a|b|", b"a", b"a|b"]
+
+    async def scenario():
+        client = aioredis.from_url(servers.redis_url)
+        buffer, preparer = StreamBuffer(client, config, KEY), Preparer(config, KEY)
+        messages = [RawMessage(0, offset, key, value) for offset, key in enumerate(keys)]
+        outcome = await buffer.ingest(0, preparer.prepare(messages)[0][0], T0)
+        stats = await buffer.stats(0)
+        await client.aclose()
+        return outcome, stats
+
+    outcome, stats = run(scenario())
+    assert outcome.statuses == [0, 0, 0, 1]  # only the repeated key is a redelivery
+    assert (stats["ingested"], stats["redelivered"]) == (3, 1)
+
+
 def test_invalid_records_are_rejected_with_reasons():
     config = stream_config("adult-decoy.toml", partitions=1)
     good = json.loads(adult_messages(config, 1)[0].value)

@@ -26,7 +26,7 @@ import redis.asyncio as aioredis
 import tomli_w
 from aiokafka import AIOKafkaConsumer
 
-from deploy.embedded import RedisServer, spawn
+from deploy.embedded import RedisServer, spawn_worker
 from service.buffer import StreamBuffer
 from service.config import StreamConfig, load_config
 from service.table import open_sample
@@ -72,8 +72,7 @@ class Harness:
         self.worker = None
 
     def start_worker(self) -> None:
-        command = [sys.executable, "-m", "service.cli", "worker", "--config", str(self.path)]
-        self.worker = spawn(command, env=self.env, log_path=self.log)
+        self.worker = spawn_worker(self.path, self.env, self.log)
 
     async def totals(self, client: aioredis.Redis) -> dict[str, int]:
         buffer = StreamBuffer(client, self.config, self.config.service_key())

@@ -30,26 +30,11 @@ local function split(text)
   return out
 end
 
-local status, added, redelivered, conflicts = {}, 0, 0, 0
+local added = 0
 for r = 1, n do
-  local arg = ARGV[6 + r]
-  local id, digest = string.sub(arg, 1, 32), string.sub(arg, 33, 40)
-  local a1 = string.find(arg, '|', 41, true)
-  local a2 = string.find(arg, '|', a1 + 1, true)
-  local a3 = string.find(arg, '|', a2 + 1, true)
-  local public, dedup = string.sub(arg, 41, a1 - 1), string.sub(arg, a3 + 1)
-  local seen = remember(k_dedup, dedup, digest)
-  if seen > 0 then
-    status[#status + 1] = r
-    status[#status + 1] = seen
-    if seen == 1 then
-      redelivered = redelivered + 1
-    else
-      conflicts = conflicts + 1
-    end
-  else
-    local values = split(string.sub(arg, a1 + 1, a2 - 1))
-    local draws = split(string.sub(arg, a2 + 1, a3 - 1))
+  local id, digest, fields = parse(ARGV[6 + r], 4)
+  if first_seen(k_dedup, r, fields[4], digest) then
+    local public, values, draws = fields[1], split(fields[2]), split(fields[3])
     for a = 1, w do
       draws[a] = tonumber(draws[a])
       redis.call('ZADD', base .. ':b:' .. a .. ':' .. values[a], 0, id)
@@ -191,12 +176,7 @@ for _, id in ipairs(expired) do
 end
 
 redis.call('HSET', k_stats, 'draws', counter)
-redis.call('HINCRBY', k_stats, 'ingested', added)
-redis.call('HINCRBY', k_stats, 'redelivered', redelivered)
-redis.call('HINCRBY', k_stats, 'conflicts', conflicts)
 redis.call('HINCRBY', k_stats, 'groups', groups)
 redis.call('HINCRBY', k_stats, 'pooled', pooled)
 redis.call('HINCRBY', k_stats, 'suppressed', #expired)
-table.insert(status, 1, redis.call('ZCARD', k_pool))
-table.insert(status, 1, redis.call('ZCARD', k_time))
-return status
+return reply(k_stats, added, redis.call('ZCARD', k_time), redis.call('ZCARD', k_pool))

@@ -29,27 +29,11 @@ local partitions, n = tonumber(ARGV[10]), tonumber(ARGV[11])
 local k_dedup, k_rec, k_queue = base .. ':d', base .. ':rec', base .. ':gq'
 local k_pool, k_stats = base .. ':pool', base .. ':stats'
 
-local status, touched, added, redelivered, conflicts = {}, {}, 0, 0, 0
+local touched, added = {}, 0
 for r = 1, n do
-  local arg = ARGV[11 + r]
-  local id, digest = string.sub(arg, 1, 32), string.sub(arg, 33, 40)
-  local a1 = string.find(arg, '|', 41, true)
-  local a2 = string.find(arg, '|', a1 + 1, true)
-  local a3 = string.find(arg, '|', a2 + 1, true)
-  local a4 = string.find(arg, '|', a3 + 1, true)
-  local public, group = string.sub(arg, 41, a1 - 1), string.sub(arg, a1 + 1, a2 - 1)
-  local value, perturbed = string.sub(arg, a2 + 1, a3 - 1), string.sub(arg, a3 + 1, a4 - 1)
-  local dedup = string.sub(arg, a4 + 1)
-  local seen = remember(k_dedup, dedup, digest)
-  if seen > 0 then
-    status[#status + 1] = r
-    status[#status + 1] = seen
-    if seen == 1 then
-      redelivered = redelivered + 1
-    else
-      conflicts = conflicts + 1
-    end
-  else
+  local id, digest, fields = parse(ARGV[11 + r], 5)
+  if first_seen(k_dedup, r, fields[5], digest) then
+    local public, group, value, perturbed = fields[1], fields[2], fields[3], fields[4]
     redis.call('HSET', k_rec, id, cmsgpack.pack({now, public, group, value, perturbed}))
     local g = base .. ':g:' .. group
     if redis.call('RPUSH', g .. ':buf', id) == 1 then
@@ -135,14 +119,9 @@ for _, group in ipairs(redis.call('ZRANGEBYSCORE', k_queue, '-inf', now - max_wa
   release(group)
 end
 
-redis.call('HINCRBY', k_stats, 'ingested', added)
-redis.call('HINCRBY', k_stats, 'redelivered', redelivered)
-redis.call('HINCRBY', k_stats, 'conflicts', conflicts)
 redis.call('HINCRBY', k_stats, 'releases', released)
 redis.call('HINCRBY', k_stats, 'pooled', pooled)
 redis.call('HINCRBY', k_stats, 'trials', trials_used)
 redis.call('HINCRBY', k_stats, 'copies', copies)
 redis.call('HINCRBY', k_stats, 'borrowed', borrowed)
-table.insert(status, 1, redis.call('ZCARD', k_pool))
-table.insert(status, 1, redis.call('HLEN', k_rec))
-return status
+return reply(k_stats, added, redis.call('HLEN', k_rec), redis.call('ZCARD', k_pool))
