@@ -9,7 +9,9 @@ demo: $(STAMP)
 	$(VENV)/bin/splu demo
 
 test: $(STAMP)
+	deploy/system-packages.sh
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/python -m pytest
 
 bench: $(STAMP)

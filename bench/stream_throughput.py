@@ -234,18 +234,6 @@ def stuck(what: str, log_path: Path) -> SystemExit:
     return SystemExit(f"\n{what}; end of {log_path.name}:\n{log_tail(log_path)}")
 
 
-async def used_memory(client: aioredis.Redis) -> int:
-    return int((await client.info("memory"))["used_memory"])
-
-
-async def totals(buffer: StreamBuffer, config: StreamConfig) -> dict[str, int]:
-    """The buffer's counters summed over the stream's partitions."""
-    out: Counter[str] = Counter()
-    for partition in range(config.partitions):
-        out.update(await buffer.stats(partition))
-    return dict(out)
-
-
 async def follow_buffer(
     buffer: StreamBuffer, config: StreamConfig, records: int, deadline: float, log_path: Path
 ) -> tuple[float, dict[str, int]]:
@@ -257,7 +245,7 @@ async def follow_buffer(
     started = last_poll = None
     while True:
         now = time.time()
-        counts = await totals(buffer, config)
+        counts = await buffer.totals()
         if started is None and counts.get("ingested", 0) > 0:
             started = last_poll or now
         last_poll = now
@@ -370,12 +358,12 @@ async def pipeline_capacity(
     deadline = time.monotonic() + READY_TIMEOUT + records / SLOWEST_RATE + config.max_wait
     client = aioredis.from_url(config.redis_url)
     buffer = StreamBuffer(client, config, config.service_key())
-    before = await used_memory(client)
+    before = await buffer.memory()
     log_path = work / "pipeline.log"
     worker = spawn_worker(config.source, env, log_path)
     try:
         started, counts = await follow_buffer(buffer, config, records, deadline, log_path)
-        after = await used_memory(client)
+        after = await buffer.memory()
         published = await read_topic(
             config.kafka_bootstrap,
             config.topics["published"],
@@ -465,7 +453,7 @@ async def buffer_memory(
         # A tick per partition first loads the script and creates the counters: fixed costs.
         for partition in range(config.partitions):
             await buffer.ingest(partition, None, now_ms())
-        before = await used_memory(client)
+        before = await buffer.memory()
         for start in range(0, count, config.batch_size):
             raw = [
                 RawMessage(i % config.partitions, i // config.partitions, k, v)
@@ -476,8 +464,8 @@ async def buffer_memory(
                 raise SystemExit(f"rejected: {rejected[0].rejection}")
             for batch in batches:
                 await buffer.ingest(batch.partition, batch, now_ms())
-        after = await used_memory(client)
-        counts = await totals(buffer, config)
+        after = await buffer.memory()
+        counts = await buffer.totals()
         if counts["pending"] != count or counts["pool"] != 0:
             raise SystemExit(f"expected {count:,} records pending and none pooled, got {counts}")
         by_key: Counter[str] = Counter()

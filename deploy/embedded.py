@@ -62,7 +62,7 @@ class ServerStartError(RuntimeError):
     """A server exited or did not answer while starting; the message ends with its log."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """A loopback port that is free now; another process could still take it before we bind."""
     with socket.socket() as sock:
         sock.bind((HOST, 0))
@@ -123,7 +123,7 @@ class _Server:
     def __init__(
         self, port: int | None, log_path: Path | None, env: Mapping[str, str] | None = None
     ) -> None:
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.log_path = log_path
         self.env = env
         self._process: subprocess.Popen[bytes] | None = None
@@ -278,6 +278,17 @@ def spawn_worker(
     return spawn(
         [sys.executable, "-m", "service.cli", "worker", "--config", str(config_path)], env, log_path
     )
+
+
+def spawn_consumer(
+    config_path: str | Path,
+    port: int,
+    env: Mapping[str, str] | None = None,
+    log_path: Path | None = None,
+) -> ManagedProcess:
+    """Start `splu consumer --config config_path --port port` on loopback, as spawn() does."""
+    command = [sys.executable, "-m", "service.cli", "consumer", "--config", str(config_path)]
+    return spawn([*command, "--host", "127.0.0.1", "--port", str(port)], env, log_path)
 
 
 # Servers started and not yet stopped, for the atexit handler: it stops servers started without

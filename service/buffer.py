@@ -35,7 +35,7 @@ def _csv(codes: list[int]) -> bytes:
     return b",".join(b"%d" % c for c in codes)
 
 
-def _script(*names: str) -> str:
+def lua_script(*names: str) -> str:
     scripts = resources.files("service").joinpath("lua")
     return "".join(scripts.joinpath(f"{name}.lua").read_text() for name in names)
 
@@ -49,15 +49,132 @@ class IngestOutcome:
     pool: int
 
 
-class StreamBuffer:
+class BufferState:
+    """What the consumer and operators may read of a stream's buffers: counters,
+    the delay histogram, suppression, personal group state and the truth tally.
+
+    Needs no service key; nothing here changes what gets published, except the
+    stream-wide pause flag a failed privacy test raises (fail closed).
+    """
+
+    def __init__(self, client: aioredis.Redis, config: StreamConfig) -> None:
+        self.client = client
+        self.config = config
+
+    def prefix(self, partition: int) -> str:
+        return f"splu:{{{self.config.name}:{partition}}}"
+
+    @property
+    def pause_key(self) -> str:
+        return f"splu:{{{self.config.name}}}:paused"
+
+    async def paused(self) -> str | None:
+        """Why publishing is paused, or None."""
+        reason = await self.client.get(self.pause_key)
+        return None if reason is None else reason.decode()
+
+    async def pause(self, reason: str | None) -> None:
+        """Pause publishing with a reason, or resume it with None."""
+        if reason is None:
+            await self.client.delete(self.pause_key)
+        else:
+            await self.client.set(self.pause_key, reason)
+
+    async def stats(self, partition: int) -> dict[str, int]:
+        """Counters of one partition plus its current pending and pool sizes."""
+        prefix = self.prefix(partition)
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.hgetall(f"{prefix}:stats")
+            pipe.hlen(f"{prefix}:rec")
+            pipe.zcard(f"{prefix}:pool")
+            pipe.hlen(f"{prefix}:inflight")
+            counters, pending, pool, in_flight = await pipe.execute()
+        out = {k.decode(): int(v) for k, v in counters.items()}
+        out.update(pending=pending, pool=pool, in_flight=in_flight)
+        return out
+
+    async def totals(self) -> dict[str, int]:
+        """`stats` summed over every partition of the stream."""
+        totals: dict[str, int] = {}
+        for partition in range(self.config.partitions):
+            for name, value in (await self.stats(partition)).items():
+                totals[name] = totals.get(name, 0) + value
+        return totals
+
+    async def count_rejected(self, counts: dict[int, int]) -> None:
+        """Add records sent to the rejected topic, per partition."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            for partition, n in counts.items():
+                pipe.hincrby(f"{self.prefix(partition)}:stats", "rejected", n)
+            await pipe.execute()
+
+    async def suppressed(self) -> dict[tuple[str, str], int]:
+        """Decoy records suppressed for waiting past max_wait, per (attribute, value)."""
+        attributes = self.config.schema.sensitive
+        out: dict[tuple[str, str], int] = {}
+        for partition in range(self.config.partitions):
+            counts = await self.client.hgetall(f"{self.prefix(partition)}:sup")
+            for field, count in counts.items():
+                position, _, code = field.decode().partition(":")
+                attribute = attributes[int(position) - 1]
+                name = (attribute.name, attribute.domain[int(code)])
+                out[name] = out.get(name, 0) + int(count)
+        return out
+
+    async def truth(self) -> dict[bytes, int]:
+        """True cells ("public codes|true sensitive codes") of every record handed to the
+        mixing pool, summed over partitions. Producer-side only: it holds true values."""
+        out: dict[bytes, int] = {}
+        for partition in range(self.config.partitions):
+            for cell, count in (
+                await self.client.hgetall(f"{self.prefix(partition)}:truth")
+            ).items():
+                out[cell] = out.get(cell, 0) + int(count)
+        return out
+
+    async def delays(self) -> dict[str, int]:
+        """The emission-delay histogram summed over partitions: non-cumulative counts
+        per upper bound in ms (and "+Inf"), plus "count" and "sum_ms"."""
+        out: dict[str, int] = {}
+        for partition in range(self.config.partitions):
+            for field, count in (
+                await self.client.hgetall(f"{self.prefix(partition)}:delay")
+            ).items():
+                out[field.decode()] = out.get(field.decode(), 0) + int(count)
+        return out
+
+    async def personal_groups(self) -> dict[str, dict[str, int]]:
+        """Each personal group's state summed over partitions: total, trials, c:<v>."""
+        out: dict[str, dict[str, int]] = {}
+        for partition in range(self.config.partitions):
+            prefix = self.prefix(partition)
+            keys = [k async for k in self.client.scan_iter(match=f"{prefix}:g:*:s", count=1000)]
+            async with self.client.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.hgetall(key)
+                states = await pipe.execute()
+            for key, state in zip(keys, states, strict=True):
+                group = key.decode()[len(prefix) + 3 : -2]
+                merged = out.setdefault(group, {})
+                for field, value in state.items():
+                    name = field.decode()
+                    if name == "total" or name == "trials" or name.startswith("c:"):
+                        merged[name] = merged.get(name, 0) + int(value)
+        return out
+
+    async def memory(self) -> int:
+        """Bytes the Redis server uses (all streams share it)."""
+        return int((await self.client.info("memory"))["used_memory"])
+
+
+class StreamBuffer(BufferState):
     """One stream's buffers in Redis, for the partitions a worker owns."""
 
     def __init__(self, client: aioredis.Redis, config: StreamConfig, key: ServiceKey) -> None:
-        self.client = client
-        self.config = config
-        self._ingest = client.register_script(_script("ingest", config.mechanism))
-        self._take = client.register_script(_script("emit"))
-        self._acknowledge = client.register_script(_script("acknowledge"))
+        super().__init__(client, config)
+        self._ingest = client.register_script(lua_script("ingest", config.mechanism))
+        self._take = client.register_script(lua_script("emit"))
+        self._acknowledge = client.register_script(lua_script("acknowledge"))
         # Secret per-partition seeds for the keyed choice of decoy groups.
         self._seed_key = key.subkey("decoy cuts").hex()
         if config.personal is not None:
@@ -67,9 +184,6 @@ class StreamBuffer:
                 settings.release_size, settings.budget, int(limit // config.partitions),
                 settings.retention, m, settings.lam, settings.delta, config.partitions,
             ]  # fmt: skip
-
-    def prefix(self, partition: int) -> str:
-        return f"splu:{{{self.config.name}:{partition}}}"
 
     async def ingest(
         self, partition: int, batch: PreparedBatch | None, now_ms: int
@@ -136,27 +250,3 @@ class StreamBuffer:
         for start in range(0, len(tokens), _ACK_CHUNK):
             chunk = tokens[start : start + _ACK_CHUNK]
             await self._acknowledge(keys=[self.prefix(partition)], args=chunk)
-
-    async def stats(self, partition: int) -> dict[str, int]:
-        """Counters of one partition plus its current pending and pool sizes."""
-        prefix = self.prefix(partition)
-        async with self.client.pipeline(transaction=False) as pipe:
-            pipe.hgetall(f"{prefix}:stats")
-            pipe.hlen(f"{prefix}:rec")
-            pipe.zcard(f"{prefix}:pool")
-            pipe.hlen(f"{prefix}:inflight")
-            counters, pending, pool, in_flight = await pipe.execute()
-        out = {k.decode(): int(v) for k, v in counters.items()}
-        out.update(pending=pending, pool=pool, in_flight=in_flight)
-        return out
-
-    async def suppressed(self, partition: int) -> dict[tuple[str, str], int]:
-        """Decoy records suppressed for waiting past max_wait, per (attribute, value)."""
-        counts = await self.client.hgetall(f"{self.prefix(partition)}:sup")
-        attributes = self.config.schema.sensitive
-        out = {}
-        for field, count in counts.items():
-            position, _, code = field.decode().partition(":")
-            attribute = attributes[int(position) - 1]
-            out[(attribute.name, attribute.domain[int(code)])] = int(count)
-        return out

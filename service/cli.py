@@ -27,7 +27,6 @@ from service.reconstruct import (
     MATRICES,
     METHODS,
     DecoyReconstruction,
-    Estimate,
     PersonalReconstruction,
     PublishedCells,
     Query,
@@ -322,14 +321,6 @@ def _reconstruction(
     )  # fmt: skip
 
 
-def _answer(estimate: Estimate) -> dict[str, float]:
-    out = {"estimate": round(estimate.estimate, 3)}
-    if estimate.low is not None and estimate.high is not None:
-        out["low"] = round(estimate.low, 3)
-        out["high"] = round(estimate.high, 3)
-    return out
-
-
 def _read_queries(
     path: str, reconstruction: Reconstruction
 ) -> tuple[list[dict[str, Any]], list[Query | None]]:
@@ -359,7 +350,60 @@ def _read_queries(
     return objects, parsed
 
 
+def _query_service(args: argparse.Namespace) -> int:
+    given = [flag for flag in ("sensitive", "gamma", "retention", "lam", "delta", "budget",
+             "merge_map", "method", "matrix", "tolerance", "max_iterations", "clip")
+             if getattr(args, flag, None) is not None]  # fmt: skip
+    if given:
+        flag = OPTION_FLAGS.get(given[0], f"--{given[0]}")
+        raise CommandError(f"{flag} does not apply with --url: the stream's config decides")
+    lines: list[Any] = []
+    with _input(args.queries) as stream:
+        for number, line in enumerate(stream, start=1):
+            if line.strip():
+                try:
+                    lines.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    lines.append(_BadLine(number, f"not valid JSON: {err.msg}"))
+    asked = [obj for obj in lines if not isinstance(obj, _BadLine)]
+    from streams.client import ConsumerError, ask
+
+    try:
+        answers = iter(ask(args.url, asked))
+    except ConsumerError as err:
+        raise CommandError(str(err)) from None
+    results = [
+        {"line": obj.number, "error": obj.error} if isinstance(obj, _BadLine) else next(answers)
+        for obj in lines
+    ]
+    return _write_answers(args, results, f"from {args.url}")
+
+
+class _BadLine:
+    def __init__(self, number: int, error: str) -> None:
+        self.number, self.error = number, error
+
+
+def _write_answers(args: argparse.Namespace, results: list[dict[str, Any]], source: str) -> int:
+    _write_atomically(
+        args.output,
+        lambda s: s.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in results),
+    )
+    failures = sum("error" in r for r in results)
+    _log(f"splu query: answered {len(results) - failures:,} queries {source} into {args.output}")
+    if failures:
+        _log(f'  {failures:,} queries could not be answered; their lines carry an "error"')
+        return 1
+    return 0
+
+
 def command_query(args: argparse.Namespace) -> int:
+    if (args.url is None) == (args.published is None):
+        raise CommandError(
+            "give --published FILE (a batch publication) or --url URL (a running consumer)"
+        )
+    if args.url is not None:
+        return _query_service(args)
     settings = _mechanism_settings(args)
     if not _columns(args.sensitive):
         raise CommandError("name the sensitive column(s) of the published file with --sensitive")
@@ -373,22 +417,11 @@ def command_query(args: argparse.Namespace) -> int:
     valid = [q for q in parsed if q is not None]
     answers = iter(reconstruction.estimate_many(valid))
     results = [
-        obj if q is None else {**obj, **_answer(next(answers))}
+        obj if q is None else {**obj, **next(answers).answer()}
         for obj, q in zip(objects, parsed, strict=True)
     ]
-    _write_atomically(
-        args.output,
-        lambda s: s.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in results),
-    )
-    _log(
-        f"splu query: answered {len(valid):,} queries over {cells.total:,} published rows "
-        f"({args.mechanism}) into {args.output}"
-    )
-    failures = len(parsed) - len(valid)
-    if failures:
-        _log(f'  {failures:,} queries could not be answered; their lines carry an "error"')
-        return 1
-    return 0
+    source = f"over {cells.total:,} published rows ({args.mechanism})"
+    return _write_answers(args, results, source)
 
 
 def command_guarantees(args: argparse.Namespace) -> int:
@@ -585,13 +618,25 @@ def command_sample(args: argparse.Namespace) -> int:
 def command_demo(args: argparse.Namespace) -> int:
     from streams.demo import run_demo
 
-    return run_demo(mechanism=args.mechanism, records=args.records, rate=args.rate)
+    return run_demo(
+        mechanism=args.mechanism, records=args.records, rate=args.rate, serve=args.serve,
+        port=args.port,
+    )  # fmt: skip
 
 
 def command_worker(args: argparse.Namespace) -> int:
     from streams.worker import run_worker
 
     run_worker(load_config(args.config), loglevel=args.loglevel)
+    return 0
+
+
+def command_consumer(args: argparse.Namespace) -> int:
+    from streams.worker import run_consumer
+
+    config = load_config(args.config)
+    port = config.reports.port if args.port is None else args.port
+    run_consumer(config, args.host, port, loglevel=args.loglevel)
     return 0
 
 
@@ -728,10 +773,11 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", formatter_class=formatter,
         help="the main job on embedded servers: stream the bundled sample end to end",
         description=(
-            "Start an embedded Kafka-protocol broker and Redis-protocol server, a worker\n"
-            "and a producer over the bundled UCI Adult sample; show live progress; read the\n"
-            "published topic back and compare large and small reconstructed counts with the\n"
-            "truth. Everything started is stopped again, also on Ctrl-C."
+            "Start an embedded Kafka-protocol broker and Redis-protocol server, a worker, a\n"
+            "consumer and a producer over the bundled UCI Adult sample; show live progress\n"
+            "and the consumer's live page (URL printed); ask the consumer for large and\n"
+            "small reconstructed counts and compare them with the truth. Everything started\n"
+            "is stopped again, also on Ctrl-C (--serve keeps the page up until then)."
         ),
     )  # fmt: skip
     demo.add_argument(
@@ -742,6 +788,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--records", type=int, help="stream only the first N records")
     demo.add_argument("--rate", type=float, help="producer rate in records/s (default: flat out)")
+    demo.add_argument(
+        "--serve",
+        action="store_true",
+        help="keep the servers and the live page running after the summary, until Ctrl-C",
+    )
+    demo.add_argument("--port", type=int, help="the live page's port (default: a free one)")
     demo.set_defaults(run=command_demo)
 
     worker = commands.add_parser(
@@ -763,6 +815,37 @@ def build_parser() -> argparse.ArgumentParser:
         help="worker log level (default warn)",
     )
     worker.set_defaults(run=command_worker)
+
+    consumer = commands.add_parser(
+        "consumer", formatter_class=formatter,
+        help="run a stream's consumer: running counts, queries, privacy reports, live page",
+        description=(
+            "Count <stream>.published once per token into Redis (the counts survive\n"
+            "restarts), run the privacy tests every stream.report_interval seconds and\n"
+            "publish them to <stream>.reports, and serve:\n"
+            "  /          the live page (plots update themselves)\n"
+            "  /status    JSON: counters, delays, tests, standing queries\n"
+            "  /metrics   Prometheus text format\n"
+            "  /estimate  GET ?where=col:val,col:val&value=sacol:val, or POST a JSON\n"
+            "             array of query objects (as `splu query --url` does)\n"
+            "The config's [reports] table sets the tests' thresholds, the standing queries\n"
+            "and which failed tests pause publishing (fail_closed). It needs no service key."
+        ),
+    )  # fmt: skip
+    consumer.add_argument("--config", required=True, help="the stream's TOML file")
+    consumer.add_argument(
+        "--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)"
+    )
+    consumer.add_argument(
+        "--port", type=int, help="port to serve on (default: reports.port of the config, 6066)"
+    )
+    consumer.add_argument(
+        "--loglevel",
+        choices=["crit", "error", "warn", "info", "debug"],
+        default="warn",
+        help="log level (default warn)",
+    )
+    consumer.set_defaults(run=command_consumer)
 
     produce = commands.add_parser(
         "produce", formatter_class=formatter,
@@ -817,7 +900,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     query = commands.add_parser(
         "query", formatter_class=formatter,
-        help="answer count queries (JSONL) from a published CSV",
+        help="answer count queries (JSONL) from a published CSV or a running consumer",
         description=(
             'Each input line is {"where": {"col": "val", ...}, "value": {"sacol": "val"}};\n'
             "a where value may also be a list (any of). Each output line is the same\n"
@@ -828,10 +911,17 @@ def build_parser() -> argparse.ArgumentParser:
             "  echo '{\"where\": {\"sex\": \"Female\"},' \\\n"
             "       '\"value\": {\"occupation\": \"Sales\"}}' > q.jsonl\n"
             "  splu query --published published.csv --mechanism decoy --gamma 5 \\\n"
-            "      --sensitive occupation --queries q.jsonl --output answers.jsonl"
+            "      --sensitive occupation --queries q.jsonl --output answers.jsonl\n"
+            "  splu query --url http://127.0.0.1:6066 --queries q.jsonl --output -"
         ),
     )  # fmt: skip
-    query.add_argument("--published", required=True, help="CSV written by `splu publish`")
+    source = query.add_mutually_exclusive_group()
+    source.add_argument("--published", help="CSV written by `splu publish`")
+    source.add_argument(
+        "--url",
+        help="instead, ask a running consumer (`splu consumer`), e.g. http://127.0.0.1:6066; "
+        "its stream's config decides mechanism and options",
+    )
     query.add_argument(
         "--sensitive",
         action="append",

@@ -35,6 +35,20 @@
     release_size = 100
     merge_map = "adult.merge.toml"   # relative to this file
 
+    [reports]                    # the consumer's periodic privacy tests (stream.report_interval)
+    epsilon = 0.3                # relative error ε of the guarantees and the adversary simulation
+    alpha = 10                   # counts 1..α are small: they should not be estimated within ε
+    error_tolerance = 0.02       # T_E of the utility threshold T_f
+    min_privacy = 0.1            # decoy: T_P(ε, α) must reach this
+    max_suppressed = 0.01        # decoy: share of resolved records suppressed at most
+    min_rows = 20                # adversary: public combinations with at least this many rows
+    large_count = 100            # adversary: true counts from this on are large
+    max_small_within = 0.5       # adversary: share of small cells within ε at most (decoy: 1 − T_P)
+    dp_epsilon = 0.5             # personal: also audit Laplace counts at this ε (optional)
+    fail_closed = ["adversary"]  # tests whose failure pauses publishing until they pass again
+    port = 6066                  # the consumer's web port
+    queries = [{where = {sex = "Male"}, value = {occupation = "Craft-repair"}}]  # standing
+
     [schema]
     ...                          # as in `service.schema`
 
@@ -80,6 +94,27 @@ class PersonalSettings:
     value_map: ValueMap
 
 
+TESTS = ("eligibility", "guarantees", "budget", "adversary", "dp_audit")
+
+
+@dataclass(frozen=True)
+class ReportSettings:
+    """Thresholds of the consumer's periodic privacy tests and its standing queries."""
+
+    epsilon: float
+    alpha: int
+    error_tolerance: float
+    min_privacy: float
+    max_suppressed: float
+    min_rows: int
+    large_count: int
+    max_small_within: float | None
+    dp_epsilon: float | None
+    fail_closed: tuple[str, ...]
+    port: int
+    queries: tuple[Mapping[str, Any], ...]
+
+
 @dataclass(frozen=True)
 class StreamConfig:
     """Everything a worker, producer or consumer of one stream needs, validated."""
@@ -104,6 +139,7 @@ class StreamConfig:
     schema: Schema
     decoy: DecoySettings | None
     personal: PersonalSettings | None
+    reports: ReportSettings
 
     @property
     def sensitive(self) -> list[str]:
@@ -217,7 +253,7 @@ def load_config(path: str | Path) -> StreamConfig:
 
 
 def parse_config(document: Mapping[str, Any], source: str, base: Path) -> StreamConfig:
-    known = {"stream", "key", "kafka", "redis", "decoy", "personal", "schema"}
+    known = {"stream", "key", "kafka", "redis", "decoy", "personal", "reports", "schema"}
     unknown = sorted(set(document) - known)
     if unknown:
         raise ConfigError(f"{source}: unknown table [{unknown[0]}]")
@@ -286,6 +322,8 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
     else:
         personal = _personal_settings(source, document, schema, base, settings["partitions"])
 
+    reports = _report_settings(source, document, mechanism, schema)
+
     return StreamConfig(
         source=source,
         name=name,
@@ -299,8 +337,62 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
         schema=schema,
         decoy=decoy,
         personal=personal,
+        reports=reports,
         **settings,
     )
+
+
+def _report_settings(
+    source: str, document: Mapping[str, Any], mechanism: str, schema: Schema
+) -> ReportSettings:
+    table = _table(source, document, "reports", required=False) or _Reader(source, {}, "reports")
+    epsilon = table.number("epsilon", 0.3)
+    tolerance = table.number("error_tolerance", 0.02)
+    min_privacy = table.number("min_privacy", 0.1)
+    max_suppressed = table.number("max_suppressed", 0.01, positive=False)
+    for key, value in (("error_tolerance", tolerance), ("min_privacy", min_privacy)):
+        if not value < 1:
+            raise table.fail(key, f"must lie in (0, 1), got {value}")
+    if not 0 <= max_suppressed <= 1:
+        raise table.fail("max_suppressed", f"must lie in [0, 1], got {max_suppressed}")
+    small = table.get("max_small_within")
+    if small is not None:
+        small = table.number("max_small_within")
+        if not small <= 1:
+            raise table.fail("max_small_within", f"must lie in (0, 1], got {small}")
+    dp_epsilon = table.get("dp_epsilon")
+    if dp_epsilon is not None:
+        dp_epsilon = table.number("dp_epsilon")
+    fail_closed = table.get("fail_closed", [])
+    if not isinstance(fail_closed, list) or not all(t in TESTS for t in fail_closed):
+        raise table.fail("fail_closed", f"must be a list of test names from {', '.join(TESTS)}")
+    queries = table.get("queries", [])
+    if not isinstance(queries, list) or not all(isinstance(q, Mapping) for q in queries):
+        raise table.fail("queries", "must be a list of tables like {where = {...}, value = {...}}")
+    for number, query in enumerate(queries, start=1):
+        _check_standing_query(table, number, query, schema)
+    settings = ReportSettings(
+        epsilon=epsilon,
+        alpha=table.integer("alpha", 10),
+        error_tolerance=tolerance,
+        min_privacy=min_privacy,
+        max_suppressed=max_suppressed,
+        min_rows=table.integer("min_rows", 20),
+        large_count=table.integer("large_count", 100),
+        max_small_within=small,
+        dp_epsilon=dp_epsilon,
+        fail_closed=tuple(fail_closed),
+        port=table.integer("port", 6066, minimum=0),
+        queries=tuple(queries),
+    )
+    table.finish()
+    inapplicable = {"decoy": ("budget",), "personal": ("eligibility", "guarantees")}
+    for test in settings.fail_closed:
+        if test in inapplicable[mechanism]:
+            raise table.fail(
+                "fail_closed", f"names {test!r}, which a {mechanism} stream never runs"
+            )
+    return settings
 
 
 def _decoy_settings(source: str, document: Mapping[str, Any], schema: Schema) -> DecoySettings:
@@ -352,3 +444,26 @@ def _personal_settings(
             f"not {attribute.name!r}"
         )
     return PersonalSettings(retention, lam, delta, budget, release_size, value_map)
+
+
+def _check_standing_query(
+    table: _Reader, number: int, query: Mapping[str, Any], schema: Schema
+) -> None:
+    """A standing query names public columns under where and sensitive ones under value."""
+    unknown = set(query) - {"where", "value"}
+    if unknown:
+        raise table.fail("queries", f"#{number}: unknown key {sorted(unknown)[0]!r}")
+    for part, sensitive in (("where", False), ("value", True)):
+        items = query.get(part, {})
+        if not isinstance(items, Mapping):
+            raise table.fail("queries", f"#{number}: {part} must be a table")
+        for column, wanted in items.items():
+            if column not in schema or schema[column].sensitive != sensitive:
+                kind = "sensitive" if sensitive else "public"
+                raise table.fail("queries", f"#{number}: {part}.{column} is not a {kind} column")
+            options = wanted if isinstance(wanted, list) and not sensitive else [wanted]
+            for option in options:
+                if str(option) not in schema[column].domain:
+                    raise table.fail(
+                        "queries", f"#{number}: {part}.{column} = {option!r} is not in its domain"
+                    )

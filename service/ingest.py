@@ -184,7 +184,7 @@ class Preparer:
     def codes_of(self, member: bytes) -> list[int]:
         """A pool entry's codes in schema order.
 
-        Entries are "public codes|published sensitive codes|audit|id"; only the
+        Entries are "public codes|published sensitive codes|audit|arrival|id"; only the
         first two fields are ever published.
         """
         public_text, sensitive_text, _ = member.split(b"|", 2)

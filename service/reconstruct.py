@@ -114,6 +114,13 @@ class Estimate:
     identifiable: bool = True
     iterations: int = 0
 
+    def answer(self) -> dict[str, float]:
+        """As `splu query` and `/estimate` write it: three decimals, interval where defined."""
+        out = {"estimate": round(self.estimate, 3)}
+        if self.low is not None and self.high is not None:
+            out.update(low=round(self.low, 3), high=round(self.high, 3))
+        return out
+
 
 class PublishedCells:
     """A published table aggregated to distinct cells with counts."""

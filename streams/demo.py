@@ -1,10 +1,12 @@
 """`splu demo`: the main job on embedded servers, from raw records to reconstructed counts.
 
-Starts the embedded broker and Redis server, a worker (a child process, as in
-production) and a producer over the bundled UCI Adult sample, shows live
-progress from the buffer's counters, then reads the published topic back and
-compares a few large and small reconstructed counts with the truth. Every
-process it starts is stopped again, on success, error or Ctrl-C.
+Starts the embedded broker and Redis server, a worker and a consumer (child
+processes, as in production) and a producer over the bundled UCI Adult
+sample, and shows live progress. The consumer serves the live page, counts
+the published records and runs the privacy tests; at the end the demo asks it
+for a few large and small counts and compares them with the truth. Every
+process it starts is stopped again, on success, error or Ctrl-C; with
+``--serve`` it keeps serving the live page until Ctrl-C.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import csv
 import json
 import os
 import secrets
+import signal
 import sys
 import tempfile
 import time
@@ -24,39 +27,19 @@ from pathlib import Path
 import numpy as np
 import redis.asyncio as aioredis
 import tomli_w
-from aiokafka import AIOKafkaConsumer
 
-from deploy.embedded import EmbeddedServers, spawn_worker
-from service.buffer import StreamBuffer
+from deploy.embedded import EmbeddedServers, free_port, spawn_consumer, spawn_worker
+from service.buffer import BufferState
 from service.config import StreamConfig, load_config
-from service.reconstruct import (
-    DecoyReconstruction,
-    PersonalReconstruction,
-    PublishedCells,
-    Query,
-    Reconstruction,
-)
+from service.reconstruct import DecoyReconstruction, PublishedCells, Query
 from service.table import open_sample, read_table
+from streams import client
 from streams.produce import produce
 from streams.topics import create_topics
 
 EXAMPLES = {"decoy": "adult-decoy.toml", "personal": "adult-personal.toml"}
 # Shorter than production so the tail of the demo stream is not left waiting long.
-DEMO_SETTINGS = {"max_wait": 5.0, "flush_interval": 2.0, "partitions": 2}
-LARGE = {
-    "decoy": [
-        ({"sex": "Male"}, "Craft-repair"),
-        ({"sex": "Female"}, "Adm-clerical"),
-        ({"education": "Bachelors"}, "Prof-specialty"),
-        ({"marital_status": "Married-civ-spouse"}, "Exec-managerial"),
-    ],
-    "personal": [
-        ({"sex": "Male"}, ">50K"),
-        ({"education": "Bachelors"}, ">50K"),
-        ({"sex": "Female"}, "<=50K"),
-        ({"occupation": "Exec-managerial"}, ">50K"),
-    ],
-}
+DEMO_SETTINGS = {"max_wait": 5.0, "flush_interval": 2.0, "partitions": 2, "report_interval": 5.0}
 TIMEOUT = 120.0  # seconds to wait for every record to be published or suppressed
 
 
@@ -75,7 +58,11 @@ def _write_config(mechanism: str, work: Path, servers_kafka: str, servers_redis:
 
 
 def run_demo(
-    mechanism: str = "decoy", records: int | None = None, rate: float | None = None
+    mechanism: str = "decoy",
+    records: int | None = None,
+    rate: float | None = None,
+    serve: bool = False,
+    port: int | None = None,
 ) -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="splu-demo-") as directory:
@@ -92,6 +79,7 @@ def run_demo(
                 {k: env[k] for k in ("SPLU_SERVICE_KEY", "KAFKA_BOOTSTRAP", "REDIS_URL")}
             )
             config = load_config(config_path)
+            url = f"http://127.0.0.1:{port or free_port()}"
             print(
                 f"splu demo: {config.mechanism} stream {config.name!r} on embedded servers "
                 f"(Kafka {servers.kafka_bootstrap}, Redis {servers.redis_url}), "
@@ -99,18 +87,42 @@ def run_demo(
             )
             asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
             worker = spawn_worker(config_path, env, work / "worker.log")
+            consumer = spawn_consumer(
+                config_path, int(url.rsplit(":", 1)[1]), env, work / "consumer.log"
+            )
+            print(f"live page: {url}/  (counts, privacy tests, delays; it updates itself)")
             try:
-                truth, published = asyncio.run(_stream(config, records, rate))
+                truth = asyncio.run(_stream(config, records, rate, url))
+                _summary(config, truth, url)
+                if serve:
+                    _serve(url)
             finally:
+                consumer.stop()
                 worker.stop()
-            _summary(config, truth, published)
     print(f"done in {time.monotonic() - started:.0f} s; every process it started has stopped")
     return 0
 
 
+def _serve(url: str) -> None:
+    print(f"\nserving the live page at {url}/ until Ctrl-C", flush=True)
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    # SIGTERM stops it as cleanly as Ctrl-C (and a background job may ignore SIGINT).
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print()
+
+
 async def _stream(
-    config: StreamConfig, records: int | None, rate: float | None
-) -> tuple[PublishedCells, PublishedCells]:
+    config: StreamConfig, records: int | None, rate: float | None, url: str
+) -> PublishedCells:
+    """Produce the sample, show progress until every record is accounted for and counted by
+    the consumer; the true cells of what was produced."""
     with open_sample() as stream:
         rows = list(csv.DictReader(stream))[:records]
     names = config.schema.names
@@ -121,22 +133,25 @@ async def _stream(
         )
         for line, row in enumerate(rows, start=2)
     ]
-    client = aioredis.from_url(config.redis_url)
-    buffer = StreamBuffer(client, config, config.service_key())
+    redis = aioredis.from_url(config.redis_url)
+    buffer = BufferState(redis, config)
     print(f"producing {len(messages):,} records to {config.topics['raw']}")
     producing = asyncio.create_task(
         produce(config, iter(messages), len(messages), rate, progress=False)
     )
     deadline = time.monotonic() + TIMEOUT
     totals: dict[str, int] = {}
+    counted = 0
     live = sys.stdout.isatty()
     shown = 0.0
-    print("waiting for the worker to join its consumer group (a few seconds)")
+    print("waiting for the worker and consumer to join their groups (a few seconds)")
     while time.monotonic() < deadline:
         await asyncio.sleep(0.5)
-        totals = await _totals(buffer, config)
+        totals = await buffer.totals()
+        counted = await _counted(url)
         done = totals.get("published", 0) + totals.get("suppressed", 0)
         finished = producing.done() and done >= len(messages)
+        finished = finished and counted >= totals.get("published", 0)
         if live or finished or time.monotonic() - shown >= 5:
             # On a terminal the line is redrawn in place; in a log, one line every 5 s.
             shown = time.monotonic()
@@ -145,7 +160,8 @@ async def _stream(
                 f"buffered {totals.get('pending', 0):6,}  "
                 f"mixing pool {totals.get('pool', 0):6,}  "
                 f"published {totals.get('published', 0):7,}  "
-                f"suppressed {totals.get('suppressed', 0):4,}",
+                f"suppressed {totals.get('suppressed', 0):4,}  "
+                f"counted {counted:7,}",
                 end="" if live else "\n",
                 flush=True,
             )
@@ -154,58 +170,40 @@ async def _stream(
     if live:
         print()
     await producing
-    await client.aclose()
-    if totals.get("published", 0) + totals.get("suppressed", 0) < len(messages):
+    await redis.aclose()
+    if totals.get("published", 0) + totals.get("suppressed", 0) < len(messages) or (
+        counted < totals.get("published", 0)
+    ):
         raise RuntimeError(
-            f"only {totals} of {len(messages):,} records came through in {TIMEOUT:.0f} s"
+            f"only {totals} of {len(messages):,} records came through and {counted:,} were "
+            f"counted in {TIMEOUT:.0f} s"
         )
-    published_rows = await _read_published(config, totals["published"])
     with open_sample() as stream:
         table, _ = read_table(stream, config.schema)
-    truth = PublishedCells.from_table(table.take(np.arange(len(messages))))
-    return truth, PublishedCells.from_rows(names, published_rows)
+    return PublishedCells.from_table(table.take(np.arange(len(messages))))
 
 
-async def _totals(buffer: StreamBuffer, config: StreamConfig) -> dict[str, int]:
-    totals: dict[str, int] = {}
-    for partition in range(config.partitions):
-        for name, value in (await buffer.stats(partition)).items():
-            totals[name] = totals.get(name, 0) + value
-    return totals
-
-
-async def _read_published(config: StreamConfig, expected: int) -> list[list[str]]:
-    """Every published record once: consumers drop re-sent copies by their token."""
-    consumer = AIOKafkaConsumer(
-        config.topics["published"],
-        bootstrap_servers=config.kafka_bootstrap,
-        auto_offset_reset="earliest",
-        enable_auto_commit=False,
-    )
-    await consumer.start()
-    seen: dict[bytes, list[str]] = {}
+async def _counted(url: str) -> int:
+    """Published records the consumer's estimates include; 0 while it starts."""
     try:
-        while len(seen) < expected:
-            batches = await consumer.getmany(timeout_ms=1000)
-            for messages in batches.values():
-                for message in messages:
-                    record = json.loads(message.value)
-                    seen[message.key] = [record[n] for n in config.schema.names]
-    finally:
-        await consumer.stop()
-    return list(seen.values())
+        status = await asyncio.to_thread(client.status, url, 2.0)
+    except client.ConsumerError:
+        return 0
+    return int(status["consumer"]["records"])
 
 
-def _summary(config: StreamConfig, truth: PublishedCells, published: PublishedCells) -> None:
+def _summary(config: StreamConfig, truth: PublishedCells, url: str) -> None:
+    """The consumer's answers to the standing queries and a few small counts, against truth."""
     sensitive = config.sensitive[0]
-    reconstruction = _reconstruction(config, published)
-    exact = DecoyReconstruction(truth, 2, [sensitive])
-    queries = [
-        Query({c: (v,) for c, v in where.items()}, {sensitive: s})
-        for where, s in LARGE[config.mechanism]
-    ]
+    queries = [Query.from_json(q) for q in config.reports.queries]
     queries += _small_queries(truth, sensitive, count=4)
-    true_counts = [e.published for e in exact.estimate_many(queries)]
+    true_counts = [
+        e.published for e in DecoyReconstruction(truth, 2, [sensitive]).estimate_many(queries)
+    ]
+    objects = [
+        {"where": {c: list(v) for c, v in q.where.items()}, "value": dict(q.value)} for q in queries
+    ]
+    answers = client.ask(url, objects)
     texts = [
         " ∧ ".join(
             [*(f"{c}={v[0]}" for c, v in q.where.items()), f"{sensitive}={q.value[sensitive]}"]
@@ -215,28 +213,18 @@ def _summary(config: StreamConfig, truth: PublishedCells, published: PublishedCe
     width = max(map(len, texts))
     print(f"\n{'count of':{width}} {'true':>6} {'estimate':>9} {'rel.err':>8}")
     errors: dict[bool, list[float]] = {True: [], False: []}
-    for text, estimate, true in zip(
-        texts, reconstruction.estimate_many(queries), true_counts, strict=True
-    ):
-        error = abs(estimate.estimate - true) / true
+    for text, answer, true in zip(texts, answers, true_counts, strict=True):
+        error = abs(answer["estimate"] - true) / true
         errors[true > 10].append(error)
-        print(f"{text:{width}} {true:6,} {estimate.estimate:9,.0f} {error:8.0%}")
+        print(f"{text:{width}} {true:6,} {answer['estimate']:9,.0f} {error:8.0%}")
     print(
         f"\nlarge counts: mean relative error {np.mean(errors[True]):.0%}; "
         f"small counts (1-10): {np.mean(errors[False]):.0%}"
     )
-
-
-def _reconstruction(config: StreamConfig, published: PublishedCells) -> Reconstruction:
-    if config.decoy is not None:
-        return DecoyReconstruction(published, config.decoy.gamma, config.sensitive)
-    settings = config.personal
-    assert settings is not None
-    return PersonalReconstruction(
-        published, config.sensitive[0], settings.retention, config.schema.sensitive[0].size,
-        lam=settings.lam, delta=settings.delta, budget=settings.budget,
-        value_map=settings.value_map,
-    )  # fmt: skip
+    tests = client.status(url)["tests"]
+    if tests:
+        verdicts = ", ".join(f"{t['test']} {'pass' if t['passed'] else 'FAIL'}" for t in tests)
+        print(f"privacy tests (last report): {verdicts}")
 
 
 def _small_queries(truth: PublishedCells, sensitive: str, count: int) -> list[Query]:

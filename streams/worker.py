@@ -1,4 +1,4 @@
-"""Running the worker: `splu worker --config FILE`."""
+"""Running the worker and the consumer: `splu worker` and `splu consumer`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import faust
 
 from service.config import StreamConfig
 from streams.app import create_app
+from streams.consumer import create_consumer_app
 from streams.topics import create_topics_sync
 
 
@@ -24,4 +25,12 @@ def run_worker(config: StreamConfig, loglevel: str = "warning") -> None:
     # Faust wants a data directory even with in-memory tables; nothing in it outlives us.
     with tempfile.TemporaryDirectory(prefix=f"splu-{config.name}-") as datadir:
         app = create_app(config, key, Path(datadir))
+        faust.Worker(app, loglevel=loglevel, quiet=True).execute_from_commandline()
+
+
+def run_consumer(config: StreamConfig, host: str, port: int, loglevel: str = "warning") -> None:
+    """Run the stream's consumer and its web pages until it is stopped."""
+    ensure_topics(config)
+    with tempfile.TemporaryDirectory(prefix=f"splu-{config.name}-consumer-") as datadir:
+        app = create_consumer_app(config, Path(datadir), host, port)
         faust.Worker(app, loglevel=loglevel, quiet=True).execute_from_commandline()

@@ -107,7 +107,7 @@ def test_decoy_groups_draws_and_redelivery(servers):
     assert stats["ingested"] == 5000 and stats["pending"] + len(entries) == 5000
     assert stats["groups"] * gamma == len(entries)
     for entry in entries:
-        _, published, group, record_id = entry.split(b"|")
+        _, published, group, _, record_id = entry.split(b"|")
         values = [int(v) for v in group.split(b",")]
         assert len(set(values)) == gamma and values == sorted(values)
         assert true_value[record_id] in values  # its own value is one of its group's
@@ -136,7 +136,7 @@ def test_decoy_groups_each_sensitive_attribute_independently(servers):
     # A record leaves once both attributes grouped it; ages 25-44 exceed 1/γ and wait.
     assert len(entries) + stats["pending"] == 3000 and len(entries) > 1000
     for entry in entries:
-        _, published, groups, _ = entry.split(b"|")
+        _, published, groups, _, _ = entry.split(b"|")
         for value, group in zip(published.split(b","), groups.split(b";"), strict=True):
             members = group.split(b",")
             assert len(set(members)) == 5 and value in members
@@ -157,7 +157,7 @@ def test_values_over_their_share_wait_then_are_suppressed(servers):
         await buffer.ingest(0, None, T0 + 9_000)
         still = await buffer.stats(0)
         await buffer.ingest(0, None, T0 + 10_001)
-        after, suppressed = await buffer.stats(0), await buffer.suppressed(0)
+        after, suppressed = await buffer.stats(0), await buffer.suppressed()
         await client.aclose()
         return len(messages), waiting, still, after, suppressed
 
@@ -230,7 +230,7 @@ def test_personal_trials_copies_and_budget(servers):
     trial_values: dict[tuple, set[int]] = {}
     for partition_entries in entries:
         for entry in partition_entries:
-            _, published, kind, record_id = entry.split(b"|")
+            _, published, kind, _, record_id = entry.split(b"|")
             value, draw = own[record_id]
             key = (*groups[record_id], value)
             if kind == b"t":
@@ -239,7 +239,7 @@ def test_personal_trials_copies_and_budget(servers):
                 trial_values.setdefault(key, set()).add(int(published))
     for partition_entries in entries:
         for entry in partition_entries:
-            _, published, kind, record_id = entry.split(b"|")
+            _, published, kind, _, record_id = entry.split(b"|")
             if kind == b"c":  # a copy repeats a trial of the same original value
                 key = (*groups[record_id], own[record_id][0])
                 assert int(published) in trial_values[key]

@@ -8,118 +8,26 @@ puts every row in one class, so `row` changes no grouping.
 from __future__ import annotations
 
 import asyncio
-import csv
 import ctypes
-import itertools
 import json
 import os
-import secrets
 import subprocess
 import sys
 import time
-import tomllib
-import uuid
 from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
-import tomli_w
-from aiokafka import AIOKafkaConsumer
+from harness import RECORDS, TIMEOUT, Harness, adult_rows
 
-from deploy.embedded import RedisServer, spawn_worker
-from service.buffer import StreamBuffer
-from service.config import StreamConfig, load_config
-from service.table import open_sample
+from deploy.embedded import RedisServer
 from streams.produce import produce
 from streams.topics import create_topics
 
 # Talks to a Redis-protocol server: .ci/run repeats these against Debian's redis-server.
 pytestmark = pytest.mark.redis
 
-EXAMPLES = Path(__file__).parents[1] / "deploy" / "examples"
-RECORDS = 20_000
 PR_SET_CHILD_SUBREAPER = 36
-TIMEOUT = 180.0
-
-
-class Harness:
-    """Config, worker process, producer and observers of one test stream."""
-
-    def __init__(
-        self, servers, directory: Path, example: str, redis_url: str | None = None
-    ) -> None:
-        document = tomllib.loads((EXAMPLES / example).read_text())
-        name = f"it{uuid.uuid4().hex[:8]}"
-        document["stream"].update(name=name, partitions=2, max_wait=3.0, flush_interval=1.0)
-        document["stream"]["mixing_pool"] = 500
-        document["kafka"]["bootstrap"] = servers.kafka_bootstrap
-        document["redis"]["url"] = redis_url or servers.redis_url
-        rows = [str(i) for i in range(RECORDS)]
-        document["schema"]["public"] = {"row": {"domain": rows}, **document["schema"]["public"]}
-        if "personal" in document:
-            merge = tomllib.loads((EXAMPLES / document["personal"]["merge_map"]).read_text())
-            merge["merge"]["classes"]["row"] = [rows]
-            (directory / "merge.toml").write_text(tomli_w.dumps(merge))
-            document["personal"]["merge_map"] = "merge.toml"
-        self.path = directory / f"{name}.toml"
-        self.path.write_text(tomli_w.dumps(document))
-        self.env = {**os.environ, "SPLU_SERVICE_KEY": secrets.token_hex(32)}
-        self.env.pop("KAFKA_BOOTSTRAP", None)
-        self.env.pop("REDIS_URL", None)
-        os.environ["SPLU_SERVICE_KEY"] = self.env["SPLU_SERVICE_KEY"]
-        self.config: StreamConfig = load_config(self.path)
-        self.log = directory / f"{name}.log"
-        self.worker = None
-
-    def start_worker(self) -> None:
-        self.worker = spawn_worker(self.path, self.env, self.log)
-
-    async def totals(self, client: aioredis.Redis) -> dict[str, int]:
-        buffer = StreamBuffer(client, self.config, self.config.service_key())
-        totals: dict[str, int] = {}
-        for partition in range(self.config.partitions):
-            for name, value in (await buffer.stats(partition)).items():
-                totals[name] = totals.get(name, 0) + value
-        return totals
-
-    async def waiting(self, client: aioredis.Redis) -> dict[str, str]:
-        """Row → published sensitive codes of every record in a pool or in flight."""
-        out = {}
-        for partition in range(self.config.partitions):
-            prefix = StreamBuffer(client, self.config, self.config.service_key()).prefix(partition)
-            entries = list(await client.zrange(f"{prefix}:pool", 0, -1))
-            entries += list((await client.hgetall(f"{prefix}:inflight")).values())
-            for entry in entries:
-                public, published, _ = entry.decode().split("|", 2)
-                out[public.split(",")[0]] = published  # `row` is the first public column
-        return out
-
-    async def read(self, topic: str, expected: int, key=None) -> dict:
-        consumer = AIOKafkaConsumer(
-            topic, bootstrap_servers=self.config.kafka_bootstrap,
-            auto_offset_reset="earliest", enable_auto_commit=False,
-        )  # fmt: skip
-        await consumer.start()
-        seen: dict = {}
-        deadline = time.monotonic() + 30
-        try:
-            while len(seen) < expected and time.monotonic() < deadline:
-                for messages in (await consumer.getmany(timeout_ms=500)).values():
-                    for message in messages:
-                        seen[key(message) if key else message.key] = message.value
-        finally:
-            await consumer.stop()
-        return seen
-
-
-def adult_rows(config: StreamConfig) -> list[tuple[bytes, bytes]]:
-    names = [n for n in config.schema.names if n != "row"]
-    with open_sample() as stream:
-        rows = list(itertools.islice(csv.DictReader(stream), RECORDS))
-    return [
-        (f"r{i}".encode(), json.dumps({"row": str(i), **{n: row[n] for n in names}}).encode())
-        for i, row in enumerate(rows)
-    ]
 
 
 def bad_messages(good: bytes) -> list[tuple[bytes, bytes]]:

@@ -15,14 +15,17 @@
 -- published, pending, group values}; :t arrival index; :b:<a>:<v> bucket of attribute a,
 -- value v (members are ids, score 0, so ZPOPMIN takes the smallest random id); :n:<a>
 -- value -> bucket size; :pool entry -> time, an entry being "public|published|group
--- values|id" (the group values stay inside for audits; the emitter publishes only the
--- first two fields); :stats counters; :sup "<a>:<v>" -> suppressed.
+-- values|arrival|id" (group values and arrival stay inside, for audits and the delay
+-- histogram; the emitter publishes only the first two fields); :stats counters;
+-- :sup "<a>:<v>" -> suppressed; :truth "public|true values" -> records pooled, the
+-- producer-side truth the consumer's adversary simulation is scored against.
 
 local base = KEYS[1]
 local now, max_wait, gamma = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local w, seed, n = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
 local k_dedup, k_rec, k_time = base .. ':d', base .. ':rec', base .. ':t'
 local k_pool, k_stats, k_sup = base .. ':pool', base .. ':stats', base .. ':sup'
+local k_truth = base .. ':truth'
 
 local function split(text)
   local out = {}
@@ -68,8 +71,9 @@ end
 local pooled = 0
 local function finish(id, record)
   local entry = record[2] .. '|' .. table.concat(record[5], ',') .. '|'
-    .. table.concat(record[7], ';') .. '|' .. id
+    .. table.concat(record[7], ';') .. '|' .. record[1] .. '|' .. id
   redis.call('ZADD', k_pool, now, entry)
+  redis.call('HINCRBY', k_truth, record[2] .. '|' .. table.concat(record[3], ','), 1)
   redis.call('HDEL', k_rec, id)
   redis.call('ZREM', k_time, id)
   pooled = pooled + 1

@@ -18,8 +18,9 @@
 -- :g:<group>:s true counts (c:<v>), total, trials, copy counters (cc:<v>), borrows;
 -- :g:<group>:tr:<v> perturbed values of the trials of original value v;
 -- :g:<group>:tv values with trials; :pool entry -> time, an entry being
--- "public|published|t, c or b (trial, copy, borrowed copy)|id", of which the emitter
--- publishes the first two fields; :stats.
+-- "public|published|t, c or b (trial, copy, borrowed copy)|arrival|id", of which the
+-- emitter publishes the first two fields; :stats; :truth "public|true value" ->
+-- records pooled (producer-side truth for the consumer's adversary simulation).
 
 local base = KEYS[1]
 local now, max_wait, release_size = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -27,7 +28,7 @@ local budget_mode, fixed_budget = ARGV[4], tonumber(ARGV[5])
 local p, m, lambda, delta = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
 local partitions, n = tonumber(ARGV[10]), tonumber(ARGV[11])
 local k_dedup, k_rec, k_queue = base .. ':d', base .. ':rec', base .. ':gq'
-local k_pool, k_stats = base .. ':pool', base .. ':stats'
+local k_pool, k_stats, k_truth = base .. ':pool', base .. ':stats', base .. ':truth'
 
 local touched, added = {}, 0
 for r = 1, n do
@@ -102,7 +103,9 @@ local function release(group)
       out = redis.call('LINDEX', list, turn % redis.call('LLEN', list))
       copies = copies + 1
     end
-    redis.call('ZADD', k_pool, now, record[2] .. '|' .. out .. '|' .. kind .. '|' .. id)
+    local entry = record[2] .. '|' .. out .. '|' .. kind .. '|' .. record[1] .. '|' .. id
+    redis.call('ZADD', k_pool, now, entry)
+    redis.call('HINCRBY', k_truth, record[2] .. '|' .. record[4], 1)
     redis.call('HDEL', k_rec, id)
     pooled = pooled + 1
   end

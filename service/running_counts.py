@@ -1,0 +1,116 @@
+"""Running counts of published cells (SPEC §4), kept in Redis so they survive restarts.
+
+A *cell* is one combination of every published column: public values and
+published sensitive values. The consumer counts each published record once,
+by its dedup token, in a single Lua step (``service/lua/count.lua``): a
+record the worker re-sent after a crash carries the token it had, and a batch
+redelivered to a consumer that died before committing its offsets brings
+tokens already counted; both are skipped and counted as duplicates.
+
+Cells are written as ``"public codes|sensitive codes"`` (codes comma-separated,
+schema order), the same text the buffer's truth tally uses, so published and
+true counts read back into `PublishedCells` the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import redis.asyncio as aioredis
+
+from service.buffer import lua_script
+from service.config import StreamConfig
+from service.reconstruct import (
+    DecoyReconstruction,
+    PersonalReconstruction,
+    PublishedCells,
+    Reconstruction,
+)
+from service.schema import Schema
+
+
+class PublishedRecordError(ValueError):
+    """A message on the published topic that the stream's schema cannot read."""
+
+
+class CellCodec:
+    """Published JSON records to cell keys and cell tallies to `PublishedCells`."""
+
+    def __init__(self, schema: Schema) -> None:
+        self.schema = schema
+        codes = {a.name: {label: i for i, label in enumerate(a.domain)} for a in schema.attributes}
+        self._public = [(a.name, codes[a.name]) for a in schema.public]
+        self._sensitive = [(a.name, codes[a.name]) for a in schema.sensitive]
+
+    def key_of(self, value: bytes) -> bytes:
+        """The cell of one published record; raises PublishedRecordError if unreadable."""
+        try:
+            record = json.loads(value)
+            public = ",".join(str(codes[record[name]]) for name, codes in self._public)
+            sensitive = ",".join(str(codes[record[name]]) for name, codes in self._sensitive)
+        except (ValueError, KeyError, TypeError) as err:
+            raise PublishedRecordError(f"not a published record of this schema ({err})") from None
+        if len(record) != len(self._public) + len(self._sensitive):
+            raise PublishedRecordError("a published record carries attributes beyond the schema")
+        return f"{public}|{sensitive}".encode()
+
+    def cells(self, tally: Mapping[bytes, int]) -> PublishedCells:
+        """A tally of cell keys as `PublishedCells` over the schema's domains."""
+        names = self.schema.names
+        order = [a.name for a in self.schema.public] + [a.name for a in self.schema.sensitive]
+        rows = np.zeros((len(tally), len(order)), dtype=np.int32)
+        counts = np.zeros(len(tally), dtype=np.int64)
+        for i, (key, count) in enumerate(tally.items()):
+            public, _, sensitive = key.partition(b"|")
+            codes = (public.split(b",") if public else []) + sensitive.split(b",")
+            rows[i] = [int(c) for c in codes]
+            counts[i] = count
+        position = {name: i for i, name in enumerate(order)}
+        cells = rows[:, [position[n] for n in names]]
+        domains = {a.name: a.domain for a in self.schema.attributes}
+        return PublishedCells(names, domains, cells, counts)
+
+
+@dataclass(frozen=True)
+class CountedBatch:
+    new: int
+    duplicates: int
+
+
+class RunningCounts:
+    """The consumer's published-cell counts and the tokens already counted."""
+
+    def __init__(self, client: aioredis.Redis, config: StreamConfig) -> None:
+        self.client = client
+        self.prefix = f"splu:{{{config.name}:consumer}}"
+        self.codec = CellCodec(config.schema)
+        self._count = client.register_script(lua_script("count"))
+
+    async def add(self, tokens: Sequence[bytes], cells: Sequence[bytes]) -> CountedBatch:
+        """Count each (token, cell) whose token was not counted before, atomically."""
+        args = [item for pair in zip(tokens, cells, strict=True) for item in pair]
+        new, duplicates = await self._count(keys=[self.prefix], args=args)
+        return CountedBatch(int(new), int(duplicates))
+
+    async def tally(self) -> dict[bytes, int]:
+        return {k: int(v) for k, v in (await self.client.hgetall(f"{self.prefix}:cells")).items()}
+
+    async def stats(self) -> dict[str, int]:
+        counters = await self.client.hgetall(f"{self.prefix}:stats")
+        return {k.decode(): int(v) for k, v in counters.items()}
+
+
+def stream_reconstruction(config: StreamConfig, cells: PublishedCells) -> Reconstruction:
+    """The reconstruction `splu query` would use for this stream's publication."""
+    if config.decoy is not None:
+        return DecoyReconstruction(cells, config.decoy.gamma, config.sensitive)
+    settings = config.personal
+    assert settings is not None
+    return PersonalReconstruction(
+        cells, config.sensitive[0], settings.retention, config.schema.sensitive[0].size,
+        lam=settings.lam, delta=settings.delta, budget=settings.budget,
+        value_map=settings.value_map,
+    )  # fmt: skip

@@ -1,0 +1,365 @@
+"""The consumer (SPEC §4): running counts, queries, privacy reports and the operator surface.
+
+One Faust app per stream, in its own consumer group on ``<stream>.published``:
+
+- ``count`` (agent) counts each published record once by its token, into
+  cells kept in Redis (`service.running_counts`); offsets are committed only
+  after Redis has the batch, so counts survive any restart.
+- ``refresh`` (timer) rebuilds the in-memory reconstruction when the counts
+  changed; queries never scan rows, only the distinct cells.
+- ``report`` (timer, ``stream.report_interval``) runs the privacy tests
+  (`service.privacy_tests`), answers the standing queries, publishes both to
+  ``<stream>.reports``, logs failures and, for tests configured to fail
+  closed, pauses publishing until they pass again.
+- ``sample`` (timer) keeps a short history of the buffer and delays for the
+  live page.
+
+Web: ``/`` the live page, ``/status`` JSON, ``/metrics`` Prometheus,
+``/estimate`` (GET with ``where=col:val,...&value=sacol:val``, or POST a
+JSON array of query objects as in ``splu query``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import time
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import faust
+import redis.asyncio as aioredis
+from faust.types import EventT
+from faust.web import Request, Response, View
+
+from service.buffer import BufferState
+from service.config import StreamConfig
+from service.metrics import delay_histogram, difference, histogram_quantile, render_prometheus
+from service.privacy_tests import (
+    TestResult,
+    adversary,
+    budget,
+    dp_audit,
+    eligibility,
+    guarantee_curve,
+    guarantees,
+)
+from service.reconstruct import Estimate, PublishedCells, Query, QueryError, Reconstruction
+from service.running_counts import PublishedRecordError, RunningCounts, stream_reconstruction
+from streams.app import TRANSIENT, Publisher, durable_batches, faust_app, retrying
+
+log = logging.getLogger("splu.consumer")
+
+REFRESH_INTERVAL = 1.0  # seconds between checks for new counts
+SAMPLE_INTERVAL = 2.0  # seconds between history samples for the live page
+HISTORY = 600  # samples kept: 20 minutes
+PAUSE_PREFIX = "privacy test failed: "
+# Counters a worker creates on first use; shown as 0 until then.
+WORKER_COUNTERS = ("ingested", "published", "suppressed", "rejected", "redelivered", "conflicts")
+
+
+def query_name(query: Query) -> str:
+    parts = [f"{c}={'|'.join(v)}" for c, v in query.where.items()]
+    return " ∧ ".join(parts + [f"{c}={v}" for c, v in query.value.items()])
+
+
+class Consumer:
+    """State behind the consumer's agent, timers and pages."""
+
+    def __init__(self, config: StreamConfig, client: aioredis.Redis, publisher: Publisher) -> None:
+        self.config = config
+        self.counts = RunningCounts(client, config)
+        self.buffer = BufferState(client, config)
+        self.publisher = publisher
+        self.invalid = 0
+        self.records = -1
+        self.reconstruction: Reconstruction | None = None
+        self.tests: list[TestResult] = []
+        self.tested_at: float | None = None
+        self.standing: list[dict[str, Any]] = []
+        self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=HISTORY)
+        self.last_delays: dict[str, int] = {}
+        self.curve = guarantee_curve(config)
+        self.standing_queries = [Query.from_json(q) for q in config.reports.queries] or [
+            Query({}, {a.name: label}) for a in config.schema.sensitive for label in a.domain
+        ]
+
+    async def count(self, events: list[EventT]) -> None:
+        tokens, cells = [], []
+        for event in events:
+            message = event.message
+            try:
+                if not message.key:
+                    raise PublishedRecordError("a published record without a token")
+                cells.append(self.counts.codec.key_of(message.value))
+                tokens.append(message.key)
+            except PublishedRecordError as err:
+                self.invalid += 1
+                log.error("published %d/%d: %s", message.partition, message.offset, err)
+        if tokens:
+            await retrying("counting a batch", self.counts.add, tokens, cells)
+
+    async def refresh(self) -> None:
+        """Rebuild the reconstruction if records were counted since the last build."""
+        records = (await self.counts.stats()).get("records", 0)
+        if records == self.records:
+            return
+        cells = self.counts.codec.cells(await self.counts.tally())
+        self.reconstruction = stream_reconstruction(self.config, cells) if cells.total else None
+        self.records = records
+
+    def estimate(self, objects: list[Any]) -> list[dict[str, Any]]:
+        """Answer query objects like `splu query` does; bad ones get an "error"."""
+        results: list[dict[str, Any]] = []
+        queries: list[tuple[int, Query]] = []
+        for i, obj in enumerate(objects):
+            shown = obj if isinstance(obj, dict) else {"query": obj}
+            results.append(dict(shown))
+            if self.reconstruction is None:
+                results[-1]["error"] = "no published records have been counted yet"
+                continue
+            try:
+                query = Query.from_json(obj)
+                self.reconstruction.check(query)
+            except QueryError as err:
+                results[-1]["error"] = str(err)
+                continue
+            queries.append((i, query))
+        if queries:
+            assert self.reconstruction is not None
+            estimates = self.reconstruction.estimate_many([q for _, q in queries])
+            total = self.reconstruction.cells.total
+            for (i, query), estimate in zip(queries, estimates, strict=True):
+                results[i].update(
+                    estimate.answer(), published=estimate.published, rows=estimate.predicate_rows,
+                    records=total, method=self.method(query, estimate),
+                )  # fmt: skip
+        return results
+
+    def method(self, query: Query, estimate: Estimate) -> str:
+        if not query.value:
+            return "exact: public values are published unchanged"
+        if self.config.personal is not None:
+            return "MLE of uniform perturbation (seed 004 Lemma 3), SPS design-effect interval"
+        if not estimate.identifiable:
+            return "not identifiable (a value at N/γ): |P|·f/N with the interval [0, |P|]"
+        if not query.where:
+            return "published count (the MLE), exact binomial interval"
+        return "closed-form inversion of the decoy transition model (corrected matrix)"
+
+    def run_tests(self, truth: PublishedCells, suppressed: int, groups: dict) -> list[TestResult]:
+        config, reconstruction = self.config, self.reconstruction
+        results = []
+        if config.decoy is not None and reconstruction is not None:
+            results.append(eligibility(config, reconstruction.cells, suppressed))
+        if config.decoy is not None:
+            results.append(guarantees(config))
+        else:
+            results.append(budget(config, groups))
+        if reconstruction is not None:
+            results.append(adversary(config, reconstruction, truth))
+        if config.reports.dp_epsilon is not None and len(config.sensitive) == 1 and truth.total:
+            results.append(dp_audit(config, truth))
+        return results
+
+    async def report(self) -> None:
+        """One round of privacy tests and standing queries, published and acted on."""
+        await self.refresh()
+        truth = self.counts.codec.cells(await self.buffer.truth())
+        suppressed = (await self.buffer.totals()).get("suppressed", 0)
+        groups = await self.buffer.personal_groups() if self.config.personal is not None else {}
+        results = await asyncio.to_thread(self.run_tests, truth, suppressed, groups)
+        standing = self.answer_standing()
+        now = time.time()
+        self.tests, self.tested_at, self.standing = results, now, standing
+        messages = [
+            {"kind": "test", "stream": self.config.name, "time": now, **r.to_json()}
+            for r in results
+        ] + [{"kind": "standing", "stream": self.config.name, "time": now, "queries": standing}]
+        await retrying(
+            "publishing reports",
+            self.publisher.send_all,
+            self.config.topics["reports"],
+            [(None, json.dumps(m).encode()) for m in messages],
+        )
+        failed = [r for r in results if not r.passed]
+        for result in failed:
+            log.warning("privacy test %s failed: %s", result.test, json.dumps(result.numbers))
+        closing = [r.test for r in failed if r.test in self.config.reports.fail_closed]
+        paused = await self.buffer.paused()
+        if closing:
+            await self.buffer.pause(PAUSE_PREFIX + ", ".join(closing))
+        elif paused is not None and paused.startswith(PAUSE_PREFIX):
+            log.warning("privacy tests pass again; resuming publication")
+            await self.buffer.pause(None)
+
+    def answer_standing(self) -> list[dict[str, Any]]:
+        if self.reconstruction is None:
+            return []
+        estimates = self.reconstruction.estimate_many(self.standing_queries)
+        return [
+            {
+                "name": query_name(query),
+                "where": {c: list(v) for c, v in query.where.items()},
+                "value": dict(query.value),
+                "published": estimate.published,
+                **estimate.answer(),
+            }
+            for query, estimate in zip(self.standing_queries, estimates, strict=True)
+        ]
+
+    async def worker_side(self) -> tuple[dict[str, int], dict[str, int]]:
+        totals = dict.fromkeys(WORKER_COUNTERS, 0) | await self.buffer.totals()
+        totals["buffer_cap"] = self.config.buffer_cap
+        totals["redis_memory_bytes"] = await self.buffer.memory()
+        return totals, await self.buffer.delays()
+
+    async def sample(self) -> None:
+        totals, delays = await self.worker_side()
+        recent = delay_histogram(difference(delays, self.last_delays))["buckets"]
+        self.last_delays = delays
+        self.history.append(
+            {
+                "time": time.time(),
+                **{
+                    k: totals.get(k, 0)
+                    for k in ("ingested", "published", "suppressed", "pending", "pool")
+                },
+                "records": max(self.records, 0),
+                "delay_p50": histogram_quantile(0.5, recent),
+                "delay_p99": histogram_quantile(0.99, recent),
+                "redis_memory_bytes": totals["redis_memory_bytes"],
+            }
+        )
+
+    async def status(self) -> dict[str, Any]:
+        totals, delays = await self.worker_side()
+        counted = await self.counts.stats()
+        cells = self.reconstruction.cells if self.reconstruction is not None else None
+        return {
+            "stream": self.config.name,
+            "mechanism": self.config.mechanism,
+            "time": time.time(),
+            "paused": await self.buffer.paused() is not None,
+            "worker": totals,
+            "consumer": {
+                # What estimates include; "counted" runs ahead by up to REFRESH_INTERVAL.
+                "records": max(self.records, 0),
+                "counted": counted.get("records", 0),
+                "cells": len(cells.counts) if cells is not None else 0,
+                "duplicates": counted.get("duplicates", 0),
+                "invalid": self.invalid,
+            },
+            "delay": delay_histogram(delays),
+            "standing": self.standing,
+            "tests": [{**r.to_json(), "time": self.tested_at} for r in self.tests],
+            "guarantee": self.curve,
+            "history": list(self.history),
+        }
+
+
+def _where_from_text(parameters: list[str]) -> dict[str, list[str]]:
+    where: dict[str, list[str]] = {}
+    for parameter in parameters:
+        for pair in filter(None, parameter.split(",")):
+            column, sep, label = pair.partition(":")
+            if not sep or not column:
+                raise QueryError(f"where: expected col:val pairs separated by commas, got {pair!r}")
+            where.setdefault(column, []).append(label)
+    return where
+
+
+def query_from_parameters(request: Request) -> dict[str, Any]:
+    """GET /estimate parameters as a query object; a column named twice means any of."""
+    query = request.query
+    unknown = set(query) - {"where", "value"}
+    if unknown:
+        raise QueryError(f"unknown parameter {sorted(unknown)[0]!r}; use where and value")
+    where = _where_from_text(query.getall("where", []))
+    value: dict[str, str] = {}
+    for column, labels in _where_from_text(query.getall("value", [])).items():
+        if len(labels) > 1:
+            raise QueryError(f"value: {column} is named twice; a count takes one value each")
+        value[column] = labels[0]
+    return {"where": where, "value": value}
+
+
+def create_consumer_app(config: StreamConfig, datadir: Path, host: str, port: int) -> faust.App:
+    """The consumer app for one stream, serving its pages on host:port."""
+    app = faust_app(config, f"splu-{config.name}-consumer", datadir, web=(host, port))
+    published = app.topic(
+        config.topics["published"], partitions=config.partitions, value_serializer="raw",
+        key_serializer="raw",
+    )  # fmt: skip
+    publisher = Publisher(config.kafka_bootstrap, loop=app.loop)
+    app.add_dependency(publisher)
+    client = aioredis.from_url(config.redis_url, password=config.redis_password())
+    consumer = Consumer(config, client, publisher)
+    page = resources.files("streams").joinpath("static", "index.html").read_text()
+
+    @app.agent(published)
+    async def count(stream: faust.StreamT) -> None:
+        async for _ in durable_batches(stream, config, consumer.count):
+            pass
+
+    async def guarded(what: str, step) -> None:  # type: ignore[no-untyped-def]
+        try:
+            await step()
+        except TRANSIENT as err:
+            log.warning("%s failed (%s); trying again later", what, type(err).__name__)
+
+    @app.timer(interval=REFRESH_INTERVAL)
+    async def refresh() -> None:
+        await guarded("refreshing counts", consumer.refresh)
+
+    @app.timer(interval=config.report_interval)
+    async def report() -> None:
+        await guarded("the privacy report", consumer.report)
+
+    @app.timer(interval=SAMPLE_INTERVAL)
+    async def sample() -> None:
+        await guarded("sampling the buffer", consumer.sample)
+
+    @app.page("/")
+    class LivePage(View):
+        async def get(self, request: Request) -> Response:
+            return self.html(page)
+
+    @app.page("/status")
+    class Status(View):
+        async def get(self, request: Request) -> Response:
+            return self.json(await consumer.status())
+
+    @app.page("/metrics")
+    class Metrics(View):
+        async def get(self, request: Request) -> Response:
+            text = render_prometheus(await consumer.status())
+            return self.text(text, content_type="text/plain; version=0.0.4")
+
+    @app.page("/estimate")
+    class Estimates(View):
+        async def get(self, request: Request) -> Response:
+            try:
+                obj = query_from_parameters(request)
+            except QueryError as err:
+                return self.json({"error": str(err)}, status=400)
+            result = consumer.estimate([obj])[0]
+            if "error" in result:
+                status = 503 if consumer.reconstruction is None else 400
+                return self.json(result, status=status)
+            return self.json(result)
+
+        async def post(self, request: Request) -> Response:
+            try:
+                objects = json.loads(await self.read_request_content(request))
+            except (ValueError, UnicodeDecodeError) as err:
+                return self.json({"error": f"the body is not valid JSON: {err}"}, status=400)
+            if not isinstance(objects, list):
+                return self.json({"error": "POST a JSON array of query objects"}, status=400)
+            return self.json(consumer.estimate(objects))
+
+    app.splu_consumer = consumer  # type: ignore[attr-defined]
+    return app

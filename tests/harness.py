@@ -1,0 +1,134 @@
+"""A test stream on the embedded servers: its config, worker and consumer processes,
+producer rows and topic readers; shared by the stream and consumer tests."""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import os
+import secrets
+import time
+import tomllib
+import uuid
+from pathlib import Path
+
+import redis.asyncio as aioredis
+import tomli_w
+from aiokafka import AIOKafkaConsumer
+
+from deploy.embedded import free_port, spawn_consumer, spawn_worker
+from service.buffer import BufferState
+from service.config import StreamConfig, load_config
+from service.table import open_sample
+
+EXAMPLES = Path(__file__).parents[1] / "deploy" / "examples"
+RECORDS = 20_000
+TIMEOUT = 180.0
+
+
+class Harness:
+    """Config, worker process, producer and observers of one test stream."""
+
+    def __init__(
+        self,
+        servers,
+        directory: Path,
+        example: str,
+        redis_url: str | None = None,
+        row_column: bool = True,
+        reports: dict | None = None,
+    ) -> None:
+        document = tomllib.loads((EXAMPLES / example).read_text())
+        name = f"it{uuid.uuid4().hex[:8]}"
+        document["stream"].update(
+            name=name, partitions=2, max_wait=3.0, flush_interval=1.0, report_interval=2.0
+        )
+        document["stream"]["mixing_pool"] = 500
+        document["kafka"]["bootstrap"] = servers.kafka_bootstrap
+        document["redis"]["url"] = redis_url or servers.redis_url
+        document.setdefault("reports", {}).update(reports or {})
+        merge = None
+        if "personal" in document:
+            merge = tomllib.loads((EXAMPLES / document["personal"]["merge_map"]).read_text())
+        if row_column:
+            # A unique public `row` matches published records back to the input.
+            rows = [str(i) for i in range(RECORDS)]
+            document["schema"]["public"] = {"row": {"domain": rows}, **document["schema"]["public"]}
+            if merge is not None:
+                merge["merge"]["classes"]["row"] = [rows]
+        if merge is not None:
+            self.merge_map = directory / "merge.toml"
+            self.merge_map.write_text(tomli_w.dumps(merge))
+            document["personal"]["merge_map"] = "merge.toml"
+        self.path = directory / f"{name}.toml"
+        self.path.write_text(tomli_w.dumps(document))
+        self.env = {**os.environ, "SPLU_SERVICE_KEY": secrets.token_hex(32)}
+        self.env.pop("KAFKA_BOOTSTRAP", None)
+        self.env.pop("REDIS_URL", None)
+        os.environ["SPLU_SERVICE_KEY"] = self.env["SPLU_SERVICE_KEY"]
+        self.config: StreamConfig = load_config(self.path)
+        self.log = directory / f"{name}.log"
+        self.worker = None
+        self.consumer = None
+        self.url = f"http://127.0.0.1:{free_port()}"
+
+    def start_worker(self) -> None:
+        self.worker = spawn_worker(self.path, self.env, self.log)
+
+    def start_consumer(self) -> None:
+        port = int(self.url.rsplit(":", 1)[1])
+        log = self.log.with_suffix(".consumer.log")
+        self.consumer = spawn_consumer(self.path, port, self.env, log)
+
+    def stop(self) -> None:
+        for process in (self.consumer, self.worker):
+            if process is not None:
+                process.stop()
+
+    async def totals(self, client: aioredis.Redis) -> dict[str, int]:
+        return await BufferState(client, self.config).totals()
+
+    async def waiting(self, client: aioredis.Redis) -> dict[str, str]:
+        """Row → published sensitive codes of every record in a pool or in flight."""
+        out = {}
+        for partition in range(self.config.partitions):
+            prefix = BufferState(client, self.config).prefix(partition)
+            entries = list(await client.zrange(f"{prefix}:pool", 0, -1))
+            entries += list((await client.hgetall(f"{prefix}:inflight")).values())
+            for entry in entries:
+                public, published, _ = entry.decode().split("|", 2)
+                out[public.split(",")[0]] = published  # `row` is the first public column
+        return out
+
+    async def read(self, topic: str, expected: int, key=None) -> dict:
+        consumer = AIOKafkaConsumer(
+            topic, bootstrap_servers=self.config.kafka_bootstrap,
+            auto_offset_reset="earliest", enable_auto_commit=False,
+        )  # fmt: skip
+        await consumer.start()
+        seen: dict = {}
+        deadline = time.monotonic() + 30
+        try:
+            while len(seen) < expected and time.monotonic() < deadline:
+                for messages in (await consumer.getmany(timeout_ms=500)).values():
+                    for message in messages:
+                        seen[key(message) if key else message.key] = message.value
+        finally:
+            await consumer.stop()
+        return seen
+
+
+def adult_rows(config: StreamConfig) -> list[tuple[bytes, bytes]]:
+    """The first RECORDS Adult records as (key, JSON) in the stream's schema."""
+    names = [n for n in config.schema.names if n != "row"]
+    with open_sample() as stream:
+        rows = list(itertools.islice(csv.DictReader(stream), RECORDS))
+    row = {"row"} & set(config.schema.names)
+    return [
+        (
+            f"r{i}".encode(),
+            json.dumps({**dict.fromkeys(row, str(i)), **{n: record[n] for n in names}}).encode(),
+        )
+        for i, record in enumerate(rows)
+    ]

@@ -1,0 +1,193 @@
+"""The consumer's privacy tests, metrics and running counts, without Kafka.
+
+Each privacy test is run once on data where it must pass and once where the
+property it guards is broken on purpose, so every verdict is shown to move.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import secrets
+import tomllib
+import uuid
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from service.config import ConfigError, StreamConfig, parse_config
+from service.guarantees import trial_limit
+from service.mechanisms.decoy import DecoyGroups
+from service.metrics import delay_histogram, histogram_quantile, render_prometheus
+from service.prf import ServiceKey, random_ids
+from service.privacy_tests import adversary, budget, eligibility, guarantees
+from service.reconstruct import PublishedCells
+from service.running_counts import (
+    CellCodec,
+    PublishedRecordError,
+    RunningCounts,
+    stream_reconstruction,
+)
+from service.table import open_sample, read_table
+
+EXAMPLES = Path(__file__).parents[1] / "deploy" / "examples"
+
+
+def example(name: str, **reports: object) -> StreamConfig:
+    document = tomllib.loads((EXAMPLES / name).read_text())
+    document["stream"]["name"] = f"t{uuid.uuid4().hex[:8]}"
+    document.setdefault("reports", {}).update(reports)
+    return parse_config(document, name, EXAMPLES)
+
+
+@pytest.fixture(scope="module")
+def decoy_release():
+    """Adult published with decoy groups under the stream's schema, and the truth."""
+    config = example("adult-decoy.toml")
+    with open_sample() as stream:
+        table, _ = read_table(stream, config.schema)
+    key = ServiceKey.from_seed(3)
+    release = DecoyGroups(5).publish(table, random_ids(len(table), key), key)
+    published = PublishedCells.from_table(release.published)
+    truth = PublishedCells.from_table(table.take(release.grouped_rows))
+    return config, published, truth
+
+
+def test_adversary_passes_on_decoy_output_and_fails_on_the_raw_data(decoy_release):
+    config, published, truth = decoy_release
+    result = adversary(config, stream_reconstruction(config, published), truth)
+    assert result.passed, result.numbers
+    assert result.numbers["small_cells"] > 100
+    assert result.numbers["small_within_share"] < result.numbers["small_bound"]
+    # Publishing the true values instead: every small count is exact, and the test says so.
+    leaked = adversary(config, stream_reconstruction(config, truth), truth)
+    assert leaked.numbers["small_within_share_naive"] == 1
+    assert not leaked.passed and leaked.numbers["p_value"] < 1e-6, leaked.numbers
+
+
+def test_eligibility_margins_and_suppression(decoy_release):
+    config, published, _ = decoy_release
+    result = eligibility(config, published, 0)
+    assert result.passed and 0 < result.numbers["min_margin"] < 0.2
+    assert result.numbers["values_over_share"] == 0
+    dropped = eligibility(config, published, published.total // 50)
+    assert not dropped.passed and dropped.numbers["suppressed_share"] > 0.01
+
+
+def test_guarantees_report_the_thresholds():
+    result = guarantees(example("adult-decoy.toml"))
+    assert result.passed
+    assert result.numbers["T_P"] == pytest.approx(0.2139, abs=1e-4)
+    assert result.numbers["T_f"] == 51
+    assert not guarantees(example("adult-decoy.toml", min_privacy=0.5)).passed
+
+
+def test_budget_flags_groups_over_their_trial_limit():
+    config = example("adult-personal.toml")
+    limit = int(trial_limit(1.0, 0.5, 2, 0.3, 0.3))  # conservative: f = 1
+    groups = {
+        "0.0.0.0": {"total": 5 * limit, "trials": limit, "c:0": 4 * limit, "c:1": limit},
+        "1.0.0.0": {"total": 30, "trials": 30, "c:0": 20, "c:1": 10},
+    }
+    result = budget(config, groups)
+    assert result.passed and result.numbers["v_g"] == 0
+    assert result.numbers["plain_v_g"] == 0.5  # every record a trial would overrun group 0
+    groups["1.0.0.0"]["trials"] = groups["1.0.0.0"]["total"] = limit + 1
+    over = budget(config, groups)
+    assert not over.passed and over.numbers["v_g"] == 0.5
+    assert over.numbers["v_r"] == pytest.approx((limit + 1) / (6 * limit + 1))
+
+
+def test_histogram_quantiles_follow_prometheus():
+    raw = {"100": 10, "250": 10, "+Inf": 5, "count": 25, "sum_ms": 5000}
+    histogram = delay_histogram(raw)
+    assert histogram["buckets"][0] == [0.1, 10] and histogram["buckets"][-1] == ["+Inf", 25]
+    assert histogram["p50"] == pytest.approx(0.1 + 0.15 * (12.5 - 10) / 10)
+    assert histogram["p99"] == 120.0  # in +Inf: the last finite bound
+    assert histogram_quantile(0.5, delay_histogram({})["buckets"]) is None
+
+
+def test_metrics_text_is_prometheus_and_skips_unknown_numbers():
+    status = {
+        "stream": 'a"b',
+        "paused": True,
+        "worker": {"ingested": 3, "published": 2, "pending": 1},
+        "delay": delay_histogram({"100": 2, "count": 2, "sum_ms": 120}),
+        "consumer": {"records": 2, "cells": 2, "duplicates": 1},
+        "tests": [{"test": "adversary", "passed": False, "numbers": {"p_value": 1e-9}}],
+        "standing": [{"name": "x", "estimate": None, "published": 4}],
+    }
+    text = render_prometheus(status)
+    assert 'splu_records_total{stream="a\\"b",state="published"} 2' in text
+    assert 'splu_publish_delay_seconds_bucket{stream="a\\"b",le="0.1"} 2' in text
+    assert 'splu_privacy_test_passed{stream="a\\"b",test="adversary"} 0' in text
+    assert 'splu_publishing_paused{stream="a\\"b"} 1' in text
+    assert "None" not in text and "splu_standing_estimate{" not in text
+    for line in text.splitlines():
+        assert line.startswith("#") or len(line.rsplit(" ", 1)) == 2
+
+
+def test_codec_reads_published_records_and_refuses_others():
+    config = example("adult-decoy.toml")
+    codec = CellCodec(config.schema)
+    record = {a.name: a.domain[-1] for a in config.schema.attributes}
+    key = codec.key_of(json.dumps(record).encode())
+    cells = codec.cells({key: 3})
+    assert cells.total == 3 and [cells.domains[c][cells.cells[0, i]] for i, c in
+                                 enumerate(cells.columns)] == list(record.values())  # fmt: skip
+    for bad in [b"{", json.dumps({**record, "id": "7"}).encode(),
+                json.dumps({**record, "sex": "Other"}).encode(), b"[1]"]:  # fmt: skip
+        with pytest.raises(PublishedRecordError):
+            codec.key_of(bad)
+
+
+@pytest.mark.parametrize(
+    ("reports", "message"),
+    [
+        ({"epsilon": -1}, "reports.epsilon must be positive"),
+        ({"fail_closed": ["budget"]}, "never runs"),
+        ({"fail_closed": ["nosuch"]}, "reports.fail_closed must be a list of test names"),
+        ({"queries": [{"where": {"occupation": "Sales"}}]}, "where.occupation is not a public"),
+        ({"queries": [{"value": {"occupation": "Pilot"}}]}, "is not in its domain"),
+        ({"colour": 1}, "reports.colour is not a known setting"),
+        ({"max_suppressed": 2}, "reports.max_suppressed must lie in [0, 1]"),
+    ],
+)
+def test_bad_report_settings_name_the_field(reports, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        example("adult-decoy.toml", **reports)
+
+
+@pytest.mark.redis
+def test_counts_skip_tokens_already_counted(servers):
+    config = example("adult-decoy.toml")
+
+    async def scenario():
+        client = aioredis.from_url(servers.redis_url)
+        counts = RunningCounts(client, config)
+        tokens = [secrets.token_hex(16).encode() for _ in range(5)]
+        cells = [b"0,0,0,0,0|1", b"0,0,0,0,0|1", b"1,0,0,0,0|2", b"1,0,0,0,0|2", b"2,0,0,0,0|3"]
+        first = await counts.add(tokens, cells)
+        again = await counts.add([*tokens[:3], secrets.token_hex(16).encode()], cells[:4])
+        tally, stats = await counts.tally(), await counts.stats()
+        await client.aclose()
+        return first, again, tally, stats
+
+    first, again, tally, stats = asyncio.run(scenario())
+    assert (first.new, first.duplicates) == (5, 0) and (again.new, again.duplicates) == (1, 3)
+    assert tally == {b"0,0,0,0,0|1": 2, b"1,0,0,0,0|2": 3, b"2,0,0,0,0|3": 1}
+    assert stats == {"records": 6, "duplicates": 3}
+
+
+def test_grafana_dashboard_uses_only_metrics_the_consumer_exports():
+    root = Path(__file__).parents[1]
+    status = json.loads((root / "tests" / "data" / "status-sample.json").read_text())
+    exported = {
+        line.split("{", 1)[0] for line in render_prometheus(status).splitlines() if line[0] != "#"
+    }
+    dashboard = json.loads((root / "deploy/grafana/dashboards/splu-stream.json").read_text())
+    expressions = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    used = {m for e in expressions for m in re.findall(r"\bsplu_[a-z_]+", e)}
+    assert len(expressions) > 10 and used and used <= exported, used - exported
