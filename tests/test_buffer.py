@@ -106,12 +106,16 @@ def test_decoy_groups_draws_and_redelivery(servers):
             draws[record_id] = int(draw)
     assert stats["ingested"] == 5000 and stats["pending"] + len(entries) == 5000
     assert stats["groups"] * gamma == len(entries)
+    members: Counter[bytes] = Counter()
     for entry in entries:
         _, published, group, _, record_id = entry.split(b"|")
-        values = [int(v) for v in group.split(b",")]
+        number, _, listed = group.partition(b":")
+        members[number] += 1
+        values = [int(v) for v in listed.split(b",")]
         assert len(set(values)) == gamma and values == sorted(values)
         assert true_value[record_id] in values  # its own value is one of its group's
         assert int(published) == values[draws[record_id]]  # the keyed draw, nothing else
+    assert set(members.values()) == {gamma} and len(members) == stats["groups"]
     assert set(replayed.statuses) == {1} and stats["redelivered"] == 1000
     assert changed.statuses == [2] and stats["conflicts"] == 1
 
@@ -138,7 +142,7 @@ def test_decoy_groups_each_sensitive_attribute_independently(servers):
     for entry in entries:
         _, published, groups, _, _ = entry.split(b"|")
         for value, group in zip(published.split(b","), groups.split(b";"), strict=True):
-            members = group.split(b",")
+            members = group.partition(b":")[2].split(b",")
             assert len(set(members)) == 5 and value in members
 
 

@@ -15,10 +15,10 @@
 -- published, pending, group values}; :t arrival index; :b:<a>:<v> bucket of attribute a,
 -- value v (members are ids, score 0, so ZPOPMIN takes the smallest random id); :n:<a>
 -- value -> bucket size; :pool entry -> time, an entry being "public|published|group
--- values|arrival|id" (group values and arrival stay inside, for audits and the delay
--- histogram; the emitter publishes only the first two fields); :stats counters;
--- :sup "<a>:<v>" -> suppressed; :truth "public|true values" -> records pooled, the
--- producer-side truth the consumer's adversary simulation is scored against.
+-- number:values|arrival|id" (group number, values and arrival stay inside, for audits
+-- and the delay histogram; the emitter publishes only the first two fields); :stats
+-- counters; :sup "<a>:<v>" -> suppressed; :truth "public|true values" -> records
+-- pooled, the producer-side truth the consumer's adversary simulation scores against.
 
 local base = KEYS[1]
 local now, max_wait, gamma = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -79,11 +79,12 @@ local function finish(id, record)
   pooled = pooled + 1
 end
 
--- Each member publishes its group's (sorted) value at its own keyed draw index.
-local function assign(id, a, values)
+-- Each member publishes its group's (sorted) value at its own keyed draw index. The
+-- audit keeps the group's number in this partition and its values.
+local function assign(id, a, values, number)
   local record = cmsgpack.unpack(redis.call('HGET', k_rec, id))
   record[5][a] = values[record[4][a] + 1]
-  record[7][a] = table.concat(values, ',')
+  record[7][a] = number .. ':' .. table.concat(values, ',')
   record[6] = record[6] - 1
   if record[6] == 0 then
     finish(id, record)
@@ -97,6 +98,7 @@ end
 -- would push it further over its share); the rest are chosen one by one with
 -- probability proportional to bucket size among the values not yet in the group.
 local groups = 0
+local numbered = tonumber(redis.call('HGET', k_stats, 'groups') or '0')
 local function cut(a)
   local key_counts = base .. ':n:' .. a
   local flat = redis.call('HGETALL', key_counts)
@@ -140,10 +142,10 @@ local function cut(a)
       pending = pending - 1
       if size[v] == 0 then nonempty = nonempty - 1 end
     end
-    for _, id in ipairs(members) do
-      assign(id, a, chosen)
-    end
     groups = groups + 1
+    for _, id in ipairs(members) do
+      assign(id, a, chosen, numbered + groups)
+    end
   end
   for _, v in ipairs(values) do
     if size[v] > 0 then
