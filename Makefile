@@ -18,6 +18,7 @@ bench: $(STAMP)
 	$(VENV)/bin/python bench/batch_decoy.py
 	$(VENV)/bin/python bench/decoy_accuracy.py
 	$(VENV)/bin/python bench/personal_accuracy.py
+	$(VENV)/bin/python bench/query_latency.py
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)

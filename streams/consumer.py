@@ -25,6 +25,7 @@ import asyncio
 import collections
 import json
 import logging
+import re
 import time
 from importlib import resources
 from pathlib import Path
@@ -57,6 +58,7 @@ REFRESH_INTERVAL = 1.0  # seconds between checks for new counts
 SAMPLE_INTERVAL = 2.0  # seconds between history samples for the live page
 HISTORY = 600  # samples kept: 20 minutes
 PAUSE_PREFIX = "privacy test failed: "
+PAIR_SEPARATOR = re.compile(r",(?=[^,:]+:)")
 # Counters a worker creates on first use; shown as 0 until then.
 WORKER_COUNTERS = ("ingested", "published", "suppressed", "rejected", "redelivered", "conflicts")
 
@@ -107,9 +109,15 @@ class Consumer:
         records = (await self.counts.stats()).get("records", 0)
         if records == self.records:
             return
-        cells = self.counts.codec.cells(await self.counts.tally())
-        self.reconstruction = stream_reconstruction(self.config, cells) if cells.total else None
-        self.records = records
+        tally = await self.counts.tally()
+        # Off the event loop: a rebuild over tens of thousands of cells must not hold up
+        # counting or queries.
+        self.reconstruction = await asyncio.to_thread(self.rebuild, tally)
+        self.records = sum(tally.values())
+
+    def rebuild(self, tally: dict[bytes, int]) -> Reconstruction | None:
+        cells = self.counts.codec.cells(tally)
+        return stream_reconstruction(self.config, cells) if cells.total else None
 
     def estimate(self, objects: list[Any]) -> list[dict[str, Any]]:
         """Answer query objects like `splu query` does; bad ones get an "error"."""
@@ -264,7 +272,9 @@ class Consumer:
 def _where_from_text(parameters: list[str]) -> dict[str, list[str]]:
     where: dict[str, list[str]] = {}
     for parameter in parameters:
-        for pair in filter(None, parameter.split(",")):
+        # A comma starts a new pair only before "column:", so labels such as age bins
+        # ("[17, 25)") keep theirs.
+        for pair in filter(None, PAIR_SEPARATOR.split(parameter)):
             column, sep, label = pair.partition(":")
             if not sep or not column:
                 raise QueryError(f"where: expected col:val pairs separated by commas, got {pair!r}")

@@ -167,6 +167,15 @@ def test_consumer_estimates_equal_batch_reconstruction(servers, tmp_path, mechan
         )
         code, body = get(f"{harness.url}/estimate?{parameters}")
         assert code == 200 and body["estimate"] == client.ask(harness.url, [first])[0]["estimate"]
+        if "age" in config.schema:  # bin labels hold commas: "[17,25)"
+            bins = config.schema["age"].domain
+            obj = {"where": {"age": list(bins[:2]), "sex": "Male"}, "value": first["value"]}
+            where = f"age:{bins[0]},age:{bins[1]},sex:Male"
+            parameters = urllib.parse.urlencode(
+                {"where": where, "value": f"{sensitive}:{first['value'][sensitive]}"}
+            )
+            code, body = get(f"{harness.url}/estimate?{parameters}")
+            assert code == 200 and body["estimate"] == client.ask(harness.url, [obj])[0]["estimate"]
         for bad, message in [
             ("where=sex", "col:val"),
             (
