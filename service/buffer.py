@@ -35,6 +35,32 @@ def _csv(codes: list[int]) -> bytes:
     return b",".join(b"%d" % c for c in codes)
 
 
+# What each process does in Redis, as ACL rules: data commands only (the Lua steps run
+# with the caller's permissions), scripts by hash, nothing dangerous (KEYS, FLUSHALL,
+# CONFIG, DEBUG ...), and only the stream's own keys.
+_ACL_COMMANDS = (
+    "-@all +@read +@write -@dangerous +evalsha +eval +script|load +script|exists "
+    "+ping +hello +client|setinfo"
+)
+ROLES = ("worker", "consumer")
+
+
+def acl_rules(config: StreamConfig, role: str) -> str:
+    """The ACL SETUSER rules (without password) for a stream's worker or consumer."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+    stream = config.name
+    keys = f"~splu:{{{stream}:* ~splu:{{{stream}}}:*"
+    # The consumer also reads the server's memory use and scans personal group state.
+    extra = " +info +scan" if role == "consumer" else ""
+    return f"reset on resetchannels {keys} {_ACL_COMMANDS}{extra}"
+
+
+def connect(config: StreamConfig) -> aioredis.Redis:
+    """A client for the stream's Redis with its ACL user, password and TLS settings."""
+    return aioredis.from_url(config.redis_url, **config.redis_options())
+
+
 def lua_script(*names: str) -> str:
     scripts = resources.files("service").joinpath("lua")
     return "".join(scripts.joinpath(f"{name}.lua").read_text() for name in names)
@@ -191,15 +217,17 @@ class StreamBuffer(BufferState):
         """Store a batch (or nothing: a timer tick) and do every cut or release now due."""
         records = len(batch) if batch is not None else 0
         max_wait = int(self.config.max_wait * 1000)
+        window = int(self.config.dedup_window * 1000)
         if self.config.decoy is not None:
             w = len(self.config.sensitive)
             seed = f"{self._seed_key}:{partition}"
-            args: list = [now_ms, max_wait, self.config.decoy.gamma, w, seed, records]
+            args: list = [now_ms, max_wait, self.config.decoy.gamma, w, seed, window, records]
         else:
-            args = [now_ms, max_wait, *self._personal_args, records]
+            args = [now_ms, max_wait, *self._personal_args, window, records]
         if batch is not None:
             # One argument per record: id (32 hex digits), digest (8 bytes), then '|'-separated
-            # fields with the dedup key last, since a producer's record id may hold '|'.
+            # fields, the raw offset and then the dedup key last, since a producer's record
+            # id may hold '|'.
             args += [
                 record_id + digest + fields
                 for record_id, digest, fields in zip(
@@ -214,18 +242,21 @@ class StreamBuffer(BufferState):
 
     def _fields(self, batch: PreparedBatch) -> list[bytes]:
         sensitive = batch.sensitive.tolist()
+        tails = [
+            b"%d|%s" % (m.offset, d) for m, d in zip(batch.messages, batch.dedup_keys, strict=True)
+        ]
         if self.config.decoy is not None:
             return [
-                b"|".join([public, _csv(values), _csv(draws), dedup])
-                for public, values, draws, dedup in zip(
-                    batch.public, sensitive, batch.draws.tolist(), batch.dedup_keys, strict=True
+                b"|".join([public, _csv(values), _csv(draws), tail])
+                for public, values, draws, tail in zip(
+                    batch.public, sensitive, batch.draws.tolist(), tails, strict=True
                 )
             ]
         return [
-            b"|".join([public, group, b"%d" % values[0], b"%d" % perturbed, dedup])
-            for public, group, values, perturbed, dedup in zip(
-                batch.public, batch.groups, sensitive, batch.perturbed.tolist(),
-                batch.dedup_keys, strict=True,
+            b"|".join([public, group, b"%d" % values[0], b"%d" % perturbed, tail])
+            for public, group, values, perturbed, tail in zip(
+                batch.public, batch.groups, sensitive, batch.perturbed.tolist(), tails,
+                strict=True,
             )
         ]  # fmt: skip
 

@@ -11,6 +11,9 @@
     report_interval = 30.0       # seconds between privacy reports
     batch_size = 2000            # raw records per batch
     batch_wait = 0.2             # seconds to wait for a batch to fill
+    dedup_window = 600.0         # seconds a record id (worker) or token (consumer) is
+                                 # remembered: redeliveries within it are recognised by id,
+                                 # replays of a raw partition at any age by their offset
 
     [key]                        # the service key is never written in this file
     env = "SPLU_SERVICE_KEY"     # 64 hex characters, or
@@ -20,8 +23,12 @@
     bootstrap = "kafka:19092"    # KAFKA_BOOTSTRAP overrides
 
     [redis]
-    url = "redis://redis:6379/0" # REDIS_URL overrides
+    url = "redis://redis:6379/0" # REDIS_URL overrides; rediss:// for TLS
     password_env = "REDIS_PASSWORD"
+    username = "splu-worker"     # an ACL user (deploy/redis/users.acl); REDIS_USERNAME overrides
+    ca_file = "ca.crt"           # TLS: the CA that signed the server's certificate, and
+    cert_file = "client.crt"     # for mutual TLS the client's certificate and key
+    key_file = "client.key"      # (paths relative to this file)
 
     [decoy]
     gamma = 5
@@ -71,6 +78,8 @@ from service.prf import KEY_BYTES, ServiceKey
 from service.schema import Schema, SchemaError, read_toml
 
 MECHANISMS = ("decoy", "personal")
+# [redis] options naming TLS files, and the redis-py argument each becomes.
+TLS_FILES = {"ca_file": "ssl_ca_certs", "cert_file": "ssl_certfile", "key_file": "ssl_keyfile"}
 TOPIC_ROLES = ("raw", "published", "rejected", "reports")
 
 
@@ -130,12 +139,15 @@ class StreamConfig:
     report_interval: float
     batch_size: int
     batch_wait: float
+    dedup_window: float
     topics: Mapping[str, str]
     key_env: str | None
     key_file: Path | None
     kafka_bootstrap: str
     redis_url: str
     redis_password_env: str | None
+    redis_username: str | None
+    redis_tls: Mapping[str, Path]
     schema: Schema
     decoy: DecoySettings | None
     personal: PersonalSettings | None
@@ -173,6 +185,14 @@ class StreamConfig:
         if self.redis_password_env is None:
             return None
         return os.environ.get(self.redis_password_env)
+
+    def redis_options(self) -> dict[str, Any]:
+        """Connection options for `redis.asyncio.from_url`: ACL user, password, TLS files."""
+        options: dict[str, Any] = {"password": self.redis_password()}
+        if self.redis_username is not None:
+            options["username"] = self.redis_username
+        options.update({k: str(v) for k, v in self.redis_tls.items()})
+        return options
 
 
 def _parse_key(text: str, where: str) -> ServiceKey:
@@ -280,6 +300,7 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
         "report_interval": stream.number("report_interval", 30.0),
         "batch_size": stream.integer("batch_size", 2000),
         "batch_wait": stream.number("batch_wait", 0.2),
+        "dedup_window": stream.number("dedup_window", 600.0),
     }
     stream.finish()
 
@@ -302,12 +323,23 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
     redis_url = (
         redis.text("url", "redis://127.0.0.1:6379/0") if redis else "redis://127.0.0.1:6379/0"
     )
-    password_env = None
+    password_env = username = None
+    tls: dict[str, Path] = {}
     if redis:
-        password_env = redis.get("password_env")
-        if password_env is not None:
+        if redis.get("password_env") is not None:
             password_env = redis.text("password_env")
+        if redis.get("username") is not None:
+            username = redis.text("username")
+        for option, argument in TLS_FILES.items():
+            if redis.get(option) is not None:
+                tls[argument] = base / redis.text(option)
         redis.finish()
+    redis_url = os.environ.get("REDIS_URL", redis_url)
+    if tls and not redis_url.startswith("rediss://"):
+        raise ConfigError(
+            f"{source}: redis.{next(iter(TLS_FILES))} and the other TLS files need a "
+            f"rediss:// url, got {redis_url.split('@')[-1]!r}"
+        )
 
     if "schema" not in document:
         raise ConfigError(f"{source}: the [schema] table is required")
@@ -332,8 +364,10 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
         key_env=key_env,
         key_file=key_file,
         kafka_bootstrap=os.environ.get("KAFKA_BOOTSTRAP", bootstrap),
-        redis_url=os.environ.get("REDIS_URL", redis_url),
+        redis_url=redis_url,
         redis_password_env=password_env,
+        redis_username=os.environ.get("REDIS_USERNAME", username),
+        redis_tls=tls,
         schema=schema,
         decoy=decoy,
         personal=personal,

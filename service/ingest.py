@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +33,18 @@ from service.schema import RecordError, Rejection
 from service.table import Table
 
 MAX_MESSAGE_BYTES = 64 * 1024
+
+
+class _DuplicateKeyError(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """A JSON object whose keys are all different: with a key twice it means two things."""
+    record = dict(pairs)
+    if len(record) != len(pairs):
+        raise _DuplicateKeyError
+    return record
 
 
 @dataclass(frozen=True)
@@ -92,6 +105,7 @@ class Preparer:
     def __init__(self, config: StreamConfig, key: ServiceKey) -> None:
         self.config = config
         self.key = key
+        self._digest_key = key.subkey("dedup digests")
         self.schema = config.schema
         self._public = [i for i, a in enumerate(self.schema.attributes) if not a.sensitive]
         # '"name":"label"' per attribute and code: published records are joined from these.
@@ -137,13 +151,20 @@ class Preparer:
         if len(value) > MAX_MESSAGE_BYTES:
             raise reject(f"message of {len(value):,} bytes exceeds {MAX_MESSAGE_BYTES:,}")
         try:
-            record = json.loads(value.decode("utf-8"))
+            record = json.loads(value.decode("utf-8"), object_pairs_hook=_unique_keys)
         except UnicodeDecodeError:
             raise reject("not valid UTF-8") from None
         except json.JSONDecodeError as err:
             raise reject(f"not valid JSON: {err.msg}") from None
         except RecursionError:
             raise reject("not valid JSON: nested too deeply") from None
+        except _DuplicateKeyError:
+            # Not named: a nested object's key may be part of a sensitive value.
+            raise reject("an object has the same key twice") from None
+        except ValueError:  # int() refuses longer numbers, and an exception here ends the worker
+            raise reject(
+                f"a number has more than {sys.get_int_max_str_digits():,} digits"
+            ) from None
         return self.schema.encode_record(record, where)
 
     def _batch(self, partition: int, rows: list[tuple[RawMessage, list[int]]]) -> PreparedBatch:
@@ -155,8 +176,13 @@ class Preparer:
             partition=partition,
             messages=messages,
             dedup_keys=dedup_keys,
-            # Of the validated record, so a resend formatted differently is still the same.
-            digests=[hashlib.blake2b(row.tobytes(), digest_size=8).digest() for row in codes],
+            # Of the validated record, so a resend formatted differently is still the same;
+            # keyed, because the digest stays in Redis after publication and an unkeyed hash
+            # of a few thousand possible records would give the record back.
+            digests=[
+                hashlib.blake2b(row.tobytes(), digest_size=8, key=self._digest_key).digest()
+                for row in codes
+            ],
             ids=ids,
             public=[",".join(map(str, row)).encode() for row in codes[:, self._public].tolist()],
             sensitive=codes[:, self._sensitive],

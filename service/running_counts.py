@@ -85,11 +85,19 @@ class RunningCounts:
         self.client = client
         self.prefix = f"splu:{{{config.name}:consumer}}"
         self.codec = CellCodec(config.schema)
+        self.dedup_window = config.dedup_window
         self._count = client.register_script(lua_script("count"))
 
-    async def add(self, tokens: Sequence[bytes], cells: Sequence[bytes]) -> CountedBatch:
-        """Count each (token, cell) whose token was not counted before, atomically."""
-        args = [item for pair in zip(tokens, cells, strict=True) for item in pair]
+    async def add(
+        self, tokens: Sequence[bytes], cells: Sequence[bytes], now_ms: int
+    ) -> CountedBatch:
+        """Count each (token, cell) whose token was not counted within the dedup window."""
+        window = int(self.dedup_window * 1000)
+        args = [
+            now_ms,
+            window,
+            *(item for pair in zip(tokens, cells, strict=True) for item in pair),
+        ]
         new, duplicates = await self._count(keys=[self.prefix], args=args)
         return CountedBatch(int(new), int(duplicates))
 

@@ -104,10 +104,11 @@ class Attribute:
             object.__setattr__(self, "domain", bin_labels(self.bins))
         if not self.domain:
             raise SchemaError(f"{kind} attribute {self.name!r} has an empty domain")
-        if len(set(self.domain)) != len(self.domain):
-            raise SchemaError(f"{kind} attribute {self.name!r} lists a value twice in its domain")
+        # Before the set below: a list or table in a TOML domain is unhashable.
         if any(not isinstance(v, str) or v == "" for v in self.domain):
             raise SchemaError(f"domain of {self.name!r} must be non-empty strings")
+        if len(set(self.domain)) != len(self.domain):
+            raise SchemaError(f"{kind} attribute {self.name!r} lists a value twice in its domain")
         object.__setattr__(self, "_codes", {v: i for i, v in enumerate(self.domain)})
 
     @property
@@ -140,10 +141,15 @@ class Attribute:
     def _bin_code(self, raw: object) -> int:
         if isinstance(raw, bool):
             raise ValueError("expected a number, got bool")
+        if isinstance(raw, str) and not (raw.isascii() and "_" not in raw):
+            # float() also reads "2_5", "２５" and other digits; a number is written in ASCII.
+            raise ValueError("expected a number")
         try:
             x = float(raw)  # type: ignore[arg-type]
         except (TypeError, ValueError):
             raise ValueError("expected a number") from None
+        except OverflowError:  # an integer beyond any float: outside every bin
+            x = math.inf if raw > 0 else -math.inf  # type: ignore[operator]
         assert self.bins is not None
         if not (self.bins[0] <= x < self.bins[-1]):
             shown = "value" if self.sensitive else f"value {_number_text(x)}"
@@ -180,8 +186,9 @@ class Schema:
 
     def __post_init__(self) -> None:
         names = [a.name for a in self.attributes]
-        if len(set(names)) != len(names):
-            raise SchemaError("an attribute is declared twice (public and sensitive?)")
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise SchemaError(f"attribute {twice[0]!r} is declared twice (public and sensitive?)")
         if not any(a.sensitive for a in self.attributes):
             raise SchemaError("a schema needs at least one sensitive attribute")
         object.__setattr__(self, "_by_name", {a.name: a for a in self.attributes})
@@ -247,7 +254,10 @@ class Schema:
                 raise SchemaError(f"{source}: schema.{kind} must be a table of attributes")
             for name, spec in section.items():
                 attributes.append(_attribute_from_spec(name, spec, kind, source))
-        return cls(tuple(attributes))
+        try:
+            return cls(tuple(attributes))
+        except SchemaError as err:
+            raise SchemaError(f"{source}: schema: {err}") from None
 
     @classmethod
     def load(cls, path: str | Path) -> Schema:
@@ -355,7 +365,11 @@ def _attribute_from_spec(name: str, spec: object, kind: str, source: str) -> Att
                 isinstance(e, int | float) and not isinstance(e, bool) for e in edges
             ):
                 raise SchemaError(f"{where}.bins must be a list of numbers")
-            return Attribute(name, kind == "sensitive", (), tuple(float(e) for e in edges))
+            try:
+                numbers = tuple(float(e) for e in edges)
+            except OverflowError:  # a TOML integer beyond any float
+                raise SchemaError(f"{where}.bins must be finite numbers") from None
+            return Attribute(name, kind == "sensitive", (), numbers)
         domain = spec["domain"]
         if not isinstance(domain, list):
             raise SchemaError(f"{where}.domain must be a list of strings")

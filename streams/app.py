@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import TypeVar
 
 import faust
-import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from aiokafka.producer.message_accumulator import BatchBuilder
@@ -43,7 +42,7 @@ from faust.types import TP, EventT, Message, StreamT
 from mode import Service
 from redis.exceptions import RedisError
 
-from service.buffer import StreamBuffer
+from service.buffer import StreamBuffer, connect
 from service.config import StreamConfig
 from service.ingest import Preparer, RawMessage, Rejected
 from service.prf import ServiceKey
@@ -228,7 +227,7 @@ def create_app(config: StreamConfig, key: ServiceKey, datadir: Path) -> faust.Ap
     publisher = Publisher(config.kafka_bootstrap, loop=app.loop)
     app.add_dependency(publisher)
     preparer = Preparer(config, key)
-    client = aioredis.from_url(config.redis_url, password=config.redis_password())
+    client = connect(config)
     buffer = StreamBuffer(client, config, key)
     owned: set[int] = set()
     resend: set[int] = set()

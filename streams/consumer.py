@@ -36,7 +36,7 @@ import redis.asyncio as aioredis
 from faust.types import EventT
 from faust.web import Request, Response, View
 
-from service.buffer import BufferState
+from service.buffer import BufferState, connect
 from service.config import StreamConfig
 from service.metrics import delay_histogram, difference, histogram_quantile, render_prometheus
 from service.privacy_tests import (
@@ -50,7 +50,7 @@ from service.privacy_tests import (
 )
 from service.reconstruct import Estimate, PublishedCells, Query, QueryError, Reconstruction
 from service.running_counts import PublishedRecordError, RunningCounts, stream_reconstruction
-from streams.app import TRANSIENT, Publisher, durable_batches, faust_app, retrying
+from streams.app import TRANSIENT, Publisher, durable_batches, faust_app, now_ms, retrying
 
 log = logging.getLogger("splu.consumer")
 
@@ -102,7 +102,7 @@ class Consumer:
                 self.invalid += 1
                 log.error("published %d/%d: %s", message.partition, message.offset, err)
         if tokens:
-            await retrying("counting a batch", self.counts.add, tokens, cells)
+            await retrying("counting a batch", self.counts.add, tokens, cells, now_ms())
 
     async def refresh(self) -> None:
         """Rebuild the reconstruction if records were counted since the last build."""
@@ -243,7 +243,13 @@ class Consumer:
             }
         )
 
+    async def ready(self) -> None:
+        """Counts loaded, even before the timers run (they wait for the group join)."""
+        if self.records < 0:
+            await self.refresh()
+
     async def status(self) -> dict[str, Any]:
+        await self.ready()
         totals, delays = await self.worker_side()
         counted = await self.counts.stats()
         cells = self.reconstruction.cells if self.reconstruction is not None else None
@@ -306,7 +312,7 @@ def create_consumer_app(config: StreamConfig, datadir: Path, host: str, port: in
     )  # fmt: skip
     publisher = Publisher(config.kafka_bootstrap, loop=app.loop)
     app.add_dependency(publisher)
-    client = aioredis.from_url(config.redis_url, password=config.redis_password())
+    client = connect(config)
     consumer = Consumer(config, client, publisher)
     page = resources.files("streams").joinpath("static", "index.html").read_text()
 
@@ -352,6 +358,7 @@ def create_consumer_app(config: StreamConfig, datadir: Path, host: str, port: in
     @app.page("/estimate")
     class Estimates(View):
         async def get(self, request: Request) -> Response:
+            await consumer.ready()
             try:
                 obj = query_from_parameters(request)
             except QueryError as err:
@@ -363,6 +370,7 @@ def create_consumer_app(config: StreamConfig, datadir: Path, host: str, port: in
             return self.json(result)
 
         async def post(self, request: Request) -> Response:
+            await consumer.ready()
             try:
                 objects = json.loads(await self.read_request_content(request))
             except (ValueError, UnicodeDecodeError) as err:

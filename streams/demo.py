@@ -25,11 +25,10 @@ from importlib import resources
 from pathlib import Path
 
 import numpy as np
-import redis.asyncio as aioredis
 import tomli_w
 
 from deploy.embedded import EmbeddedServers, free_port, spawn_consumer, spawn_worker
-from service.buffer import BufferState
+from service.buffer import BufferState, connect
 from service.config import StreamConfig, load_config
 from service.reconstruct import DecoyReconstruction, PublishedCells, Query
 from service.table import open_sample, read_table
@@ -133,7 +132,7 @@ async def _stream(
         )
         for line, row in enumerate(rows, start=2)
     ]
-    redis = aioredis.from_url(config.redis_url)
+    redis = connect(config)
     buffer = BufferState(redis, config)
     print(f"producing {len(messages):,} records to {config.topics['raw']}")
     producing = asyncio.create_task(

@@ -254,6 +254,45 @@ def test_personal_trials_copies_and_budget(servers):
 
 
 @pytest.mark.parametrize("example", ["adult-decoy.toml", "adult-personal.toml"])
+def test_dedup_index_is_bounded_and_replays_stay_recognised(servers, example):
+    """Ids are remembered for one to two dedup windows, then dropped whole; a replay of
+    the raw partition is still recognised by its offsets long after."""
+    config = stream_config(example, partitions=1, dedup_window=10.0, max_wait=1000.0)
+    window = 10_000
+
+    async def scenario():
+        client = aioredis.from_url(servers.redis_url)
+        buffer, preparer = StreamBuffer(client, config, KEY), Preparer(config, KEY)
+        messages = [
+            RawMessage(0, m.offset, b"id-%d" % m.offset, m.value)
+            for m in adult_messages(config, 600)
+        ]
+        first, _ = preparer.prepare(messages[:300])
+        await buffer.ingest(0, first[0], T0)
+        later, _ = preparer.prepare(messages[300:])
+        await buffer.ingest(0, later[0], T0 + window // 2)
+        # Within the window the same ids at new offsets (a producer's retry) are known.
+        retried = [RawMessage(0, m.offset + 600, m.key, m.value) for m in messages[:300]]
+        again, _ = preparer.prepare(retried)
+        within = await buffer.ingest(0, again[0], T0 + window + 1)
+        await buffer.ingest(0, None, T0 + 4 * window)  # two windows on: all ids dropped
+        windows = [k async for k in client.scan_iter(match=f"{buffer.prefix(0)}:d:*")]
+        sizes = [await client.hlen(k) for k in windows]
+        replay, _ = preparer.prepare(messages)
+        replayed = await buffer.ingest(0, replay[0], T0 + 4 * window)
+        stats = await buffer.stats(0)
+        await client.aclose()
+        return within, sizes, replayed, stats
+
+    within, sizes, replayed, stats = run(scenario())
+    assert set(within.statuses) == {1}
+    assert sizes == [] or sum(sizes) == 0, sizes
+    assert set(replayed.statuses) == {1}
+    assert stats["ingested"] == 600
+    assert stats["replayed"] == 600 and stats["redelivered"] == 900
+
+
+@pytest.mark.parametrize("example", ["adult-decoy.toml", "adult-personal.toml"])
 def test_timer_ticks_are_idempotent(servers, example):
     config = stream_config(example, partitions=1)
 

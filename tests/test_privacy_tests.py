@@ -33,6 +33,7 @@ from service.running_counts import (
 from service.table import open_sample, read_table
 
 EXAMPLES = Path(__file__).parents[1] / "deploy" / "examples"
+T0 = 1_700_000_000_000  # a fixed clock, advanced by hand
 
 
 def example(name: str, **reports: object) -> StreamConfig:
@@ -169,16 +170,22 @@ def test_counts_skip_tokens_already_counted(servers):
         counts = RunningCounts(client, config)
         tokens = [secrets.token_hex(16).encode() for _ in range(5)]
         cells = [b"0,0,0,0,0|1", b"0,0,0,0,0|1", b"1,0,0,0,0|2", b"1,0,0,0,0|2", b"2,0,0,0,0|3"]
-        first = await counts.add(tokens, cells)
-        again = await counts.add([*tokens[:3], secrets.token_hex(16).encode()], cells[:4])
+        first = await counts.add(tokens, cells, T0)
+        again = await counts.add([*tokens[:3], secrets.token_hex(16).encode()], cells[:4], T0)
+        # Within the next window a token is still known; two windows on it is forgotten.
+        window = int(config.dedup_window * 1000)
+        known = await counts.add(tokens[:1], cells[:1], T0 + window)
+        forgotten = await counts.add(tokens[:1], cells[:1], T0 + 3 * window)
+        kept = [k async for k in client.scan_iter(match=f"{counts.prefix}:tokens:*")]
         tally, stats = await counts.tally(), await counts.stats()
         await client.aclose()
-        return first, again, tally, stats
+        return first, again, known, forgotten, kept, tally, stats
 
-    first, again, tally, stats = asyncio.run(scenario())
+    first, again, known, forgotten, kept, tally, stats = asyncio.run(scenario())
     assert (first.new, first.duplicates) == (5, 0) and (again.new, again.duplicates) == (1, 3)
-    assert tally == {b"0,0,0,0,0|1": 2, b"1,0,0,0,0|2": 3, b"2,0,0,0,0|3": 1}
-    assert stats == {"records": 6, "duplicates": 3}
+    assert (known.new, forgotten.new) == (0, 1) and len(kept) == 1
+    assert tally == {b"0,0,0,0,0|1": 3, b"1,0,0,0,0|2": 3, b"2,0,0,0,0|3": 1}
+    assert stats["records"] == 7 and stats["duplicates"] == 4
 
 
 def test_grafana_dashboard_uses_only_metrics_the_consumer_exports():

@@ -5,13 +5,13 @@
 --
 -- KEYS[1]  the partition's key prefix, "splu:{<stream>:<partition>}"; every key below
 --          extends it, so one Redis Cluster hash slot holds them all.
--- ARGV     now_ms, max_wait_ms, gamma, w (sensitive attributes), seed, n, then one
---          argument per record: id (32 hex digits), digest (8 bytes), then
---          "public codes|values|draws|dedup key" (codes comma-separated).
+-- ARGV     now_ms, max_wait_ms, gamma, w (sensitive attributes), seed, dedup window
+--          (ms), n, then one argument per record: id (32 hex digits), digest (8 bytes),
+--          then "public codes|values|draws|raw offset|dedup key" (codes comma-separated).
 -- Returns  the number of pending records, the pool size, then position and status of
 --          each record not stored anew (1 redelivered, 2 id reused with other content).
 --
--- Keys: :d dedup key -> digest; :rec id -> msgpack {arrival, public, values, draws,
+-- Keys: :d:<window> dedup key -> digest, :off highest raw offset stored (ingest.lua); :rec id -> msgpack {arrival, public, values, draws,
 -- published, pending, group values}; :t arrival index; :b:<a>:<v> bucket of attribute a,
 -- value v (members are ids, score 0, so ZPOPMIN takes the smallest random id); :n:<a>
 -- value -> bucket size; :pool entry -> time, an entry being "public|published|group
@@ -22,8 +22,8 @@
 
 local base = KEYS[1]
 local now, max_wait, gamma = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local w, seed, n = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
-local k_dedup, k_rec, k_time = base .. ':d', base .. ':rec', base .. ':t'
+local w, seed, window, n = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7])
+local k_rec, k_time = base .. ':rec', base .. ':t'
 local k_pool, k_stats, k_sup = base .. ':pool', base .. ':stats', base .. ':sup'
 local k_truth = base .. ':truth'
 
@@ -33,10 +33,11 @@ local function split(text)
   return out
 end
 
+open_dedup(base, k_stats, now, window)
 local added = 0
 for r = 1, n do
-  local id, digest, fields = parse(ARGV[6 + r], 4)
-  if first_seen(k_dedup, r, fields[4], digest) then
+  local id, digest, fields = parse(ARGV[7 + r], 5)
+  if first_seen(r, fields[5], digest, fields[4]) then
     local public, values, draws = fields[1], split(fields[2]), split(fields[3])
     for a = 1, w do
       draws[a] = tonumber(draws[a])
@@ -185,4 +186,4 @@ redis.call('HSET', k_stats, 'draws', counter)
 redis.call('HINCRBY', k_stats, 'groups', groups)
 redis.call('HINCRBY', k_stats, 'pooled', pooled)
 redis.call('HINCRBY', k_stats, 'suppressed', #expired)
-return reply(k_stats, added, redis.call('ZCARD', k_time), redis.call('ZCARD', k_pool))
+return reply(base, k_stats, added, redis.call('ZCARD', k_time), redis.call('ZCARD', k_pool))

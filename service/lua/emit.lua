@@ -23,8 +23,16 @@ if count <= 0 then return '' end
 -- Time from arrival to emission, as a histogram: operators see delays, never per record.
 local bounds = {100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 120000}
 local in_bucket, total_ms = {}, 0
+-- ZRANDMEMBER returns the whole set, or any small one, in score order: the order the
+-- records entered the pool, which would publish a group's members side by side.
+-- Shuffle (Fisher-Yates) with uniforms from this call's random seed.
+local members = redis.call('ZRANDMEMBER', k_pool, count)
+for j = #members, 2, -1 do
+  local k = tonumber(string.sub(redis.sha1hex(ARGV[5] .. ':shuffle:' .. j), 1, 12), 16) % j + 1
+  members[j], members[k] = members[k], members[j]
+end
 local lines = {}
-for j, entry in ipairs(redis.call('ZRANDMEMBER', k_pool, count)) do
+for j, entry in ipairs(members) do
   -- 128 bits of SHA-1 of the caller's random seed: unique and unpredictable per record.
   local token = string.sub(redis.sha1hex(ARGV[5] .. ':' .. j), 1, 32)
   redis.call('ZREM', k_pool, entry)

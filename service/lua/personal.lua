@@ -7,13 +7,13 @@
 --
 -- KEYS[1]  the partition's key prefix, "splu:{<stream>:<partition>}".
 -- ARGV     now_ms, max_wait_ms, release_size, budget (adaptive, conservative or none),
---          fixed budget (conservative), p, m, lambda, delta, partitions, n, then one
---          argument per record: id (32 hex digits), digest (8 bytes), then
---          "public codes|group key|value|perturbed value|dedup key".
+--          fixed budget (conservative), p, m, lambda, delta, partitions, dedup window
+--          (ms), n, then one argument per record: id (32 hex digits), digest (8 bytes),
+--          then "public codes|group key|value|perturbed value|raw offset|dedup key".
 -- Returns  the number of buffered records, the pool size, then position and status of
 --          each record not stored anew (1 redelivered, 2 id reused with other content).
 --
--- Keys: :d dedup; :rec id -> msgpack {arrival, public, group, value, perturbed};
+-- Keys: :d:<window> dedup, :off highest raw offset stored (ingest.lua); :rec id -> msgpack {arrival, public, group, value, perturbed};
 -- :gq group -> arrival of its oldest buffered record; :g:<group>:buf buffered ids;
 -- :g:<group>:s true counts (c:<v>), total, trials, copy counters (cc:<v>), borrows;
 -- :g:<group>:tr:<v> perturbed values of the trials of original value v;
@@ -26,14 +26,15 @@ local base = KEYS[1]
 local now, max_wait, release_size = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local budget_mode, fixed_budget = ARGV[4], tonumber(ARGV[5])
 local p, m, lambda, delta = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
-local partitions, n = tonumber(ARGV[10]), tonumber(ARGV[11])
-local k_dedup, k_rec, k_queue = base .. ':d', base .. ':rec', base .. ':gq'
+local partitions, window, n = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12])
+local k_rec, k_queue = base .. ':rec', base .. ':gq'
 local k_pool, k_stats, k_truth = base .. ':pool', base .. ':stats', base .. ':truth'
 
+open_dedup(base, k_stats, now, window)
 local touched, added = {}, 0
 for r = 1, n do
-  local id, digest, fields = parse(ARGV[11 + r], 5)
-  if first_seen(k_dedup, r, fields[5], digest) then
+  local id, digest, fields = parse(ARGV[12 + r], 6)
+  if first_seen(r, fields[6], digest, fields[5]) then
     local public, group, value, perturbed = fields[1], fields[2], fields[3], fields[4]
     redis.call('HSET', k_rec, id, cmsgpack.pack({now, public, group, value, perturbed}))
     local g = base .. ':g:' .. group
@@ -127,4 +128,4 @@ redis.call('HINCRBY', k_stats, 'pooled', pooled)
 redis.call('HINCRBY', k_stats, 'trials', trials_used)
 redis.call('HINCRBY', k_stats, 'copies', copies)
 redis.call('HINCRBY', k_stats, 'borrowed', borrowed)
-return reply(k_stats, added, redis.call('HLEN', k_rec), redis.call('ZCARD', k_pool))
+return reply(base, k_stats, added, redis.call('HLEN', k_rec), redis.call('ZCARD', k_pool))

@@ -1,0 +1,319 @@
+"""Secrets, least privilege and what stays behind (issue 6, item 5).
+
+One decoy stream runs on its own Redis server, the worker and the consumer each
+as a restricted ACL user (`service.buffer.acl_rules`), with log level info and
+a sensitive domain of unique marker labels. Then:
+
+- both processes did their work with those users, and the users cannot run
+  anything else (KEYS, FLUSHALL, CONFIG) or touch another stream's keys;
+- no marker, neither a valid label nor the out-of-domain values of bad
+  records, appears in either log;
+- the published topic carries only the schema's attributes under a token key,
+  no headers;
+- once everything is published, Redis holds no raw record: no record hash,
+  pool or in-flight entry, only counters, aggregates and keyed digests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import datetime
+import hashlib
+import ipaddress
+import itertools
+import json
+import os
+import secrets
+import shutil
+import time
+import tomllib
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis.asyncio as aioredis
+import tomli_w
+from aiokafka import AIOKafkaConsumer
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoPermissionError
+
+from deploy.embedded import RedisServer, free_port, spawn_consumer, spawn_worker
+from service.buffer import BufferState, acl_rules, connect
+from service.config import ConfigError, load_config
+from service.table import open_sample
+from streams import client
+from streams.produce import produce
+from streams.topics import create_topics
+
+pytestmark = pytest.mark.redis
+
+EXAMPLES = Path(__file__).parents[1] / "deploy" / "examples"
+RECORDS = 3000
+TIMEOUT = 120.0
+# What may remain of a partition once everything is published: counters, aggregates,
+# the keyed dedup index and the offset watermark.
+LEFT_BEHIND = {"stats", "truth", "delay", "sup", "off", "d"}
+
+
+def marker_config(directory: Path, redis_url: str, kafka: str) -> tuple[Path, dict[str, str]]:
+    """The decoy example with occupations renamed to unique markers."""
+    document = tomllib.loads((EXAMPLES / "adult-decoy.toml").read_text())
+    occupations = document["schema"]["sensitive"]["occupation"]["domain"]
+    tag = secrets.token_hex(4)
+    markers = {o: f"occ{tag}x{i}" for i, o in enumerate(occupations)}
+    document["schema"]["sensitive"]["occupation"]["domain"] = list(markers.values())
+    document["stream"].update(
+        name=f"sec{uuid.uuid4().hex[:8]}", partitions=2, max_wait=3.0, flush_interval=1.0,
+        report_interval=2.0,
+    )  # fmt: skip
+    document["kafka"]["bootstrap"] = kafka
+    document["redis"]["url"] = redis_url
+    document["reports"]["queries"] = [{"value": {"occupation": markers["Sales"]}}]
+    path = directory / "stream.toml"
+    path.write_text(tomli_w.dumps(document))
+    return path, markers
+
+
+def rows(config, markers: dict[str, str], leaks: list[str]) -> list[tuple[bytes, bytes]]:
+    names = config.schema.names
+    with open_sample() as stream:
+        records = list(itertools.islice(csv.DictReader(stream), RECORDS))
+    good = [
+        (
+            f"r{i}".encode(),
+            json.dumps(
+                {**{n: r[n] for n in names}, "occupation": markers[r["occupation"]]}
+            ).encode(),
+        )
+        for i, r in enumerate(records)
+    ]
+    # Bad records whose sensitive value is a marker outside the domain, and id conflicts.
+    first = json.loads(good[0][1])
+    bad = [
+        (f"bad{i}".encode(), json.dumps({**first, "occupation": leak}).encode())
+        for i, leak in enumerate(leaks)
+    ]
+    conflicts = [(good[i][0], good[i + 1][1]) for i in range(5)]
+    return good + bad + conflicts
+
+
+async def read_published(config, expected: int) -> list:
+    consumer = AIOKafkaConsumer(
+        config.topics["published"], bootstrap_servers=config.kafka_bootstrap,
+        auto_offset_reset="earliest", enable_auto_commit=False,
+    )  # fmt: skip
+    await consumer.start()
+    messages: dict = {}
+    deadline = time.monotonic() + 30
+    try:
+        while len(messages) < expected and time.monotonic() < deadline:
+            for batch in (await consumer.getmany(timeout_ms=500)).values():
+                for message in batch:
+                    messages[message.key] = message
+    finally:
+        await consumer.stop()
+    return list(messages.values())
+
+
+def test_least_privilege_no_raw_values_in_logs_or_left_in_redis(servers, tmp_path):
+    redis_server = RedisServer(tmp_path / "redis")
+    redis_server.start()
+    config_path, markers = marker_config(tmp_path, redis_server.url, servers.kafka_bootstrap)
+    config = load_config(config_path)
+    passwords = {role: secrets.token_hex(16) for role in ("worker", "consumer")}
+
+    async def create_users() -> None:
+        admin = aioredis.from_url(redis_server.url)
+        for role, password in passwords.items():
+            rules = acl_rules(config, role).split()
+            await admin.execute_command("ACL", "SETUSER", f"splu-{role}", *rules, f">{password}")
+        await admin.aclose()
+
+    asyncio.run(create_users())
+    asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
+    base_env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "KAFKA_BOOTSTRAP")}
+    env = {
+        role: {**base_env, "SPLU_SERVICE_KEY": secrets.token_hex(32),
+               "REDIS_USERNAME": f"splu-{role}", "REDIS_PASSWORD": password}
+        for role, password in passwords.items()
+    }  # fmt: skip
+    env["consumer"].pop("SPLU_SERVICE_KEY")  # the consumer needs no key
+    logs = {role: tmp_path / f"{role}.log" for role in passwords}
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    worker = spawn_worker(config_path, env["worker"], logs["worker"], loglevel="info")
+    consumer = spawn_consumer(config_path, port, env["consumer"], logs["consumer"], loglevel="info")
+    leaks = [f"leak{secrets.token_hex(6)}" for _ in range(20)]
+    try:
+        asyncio.run(produce(config, iter(rows(config, markers, leaks)), rate=4000, progress=False))
+
+        async def settled() -> dict | None:
+            admin = aioredis.from_url(redis_server.url)
+            totals = await BufferState(admin, config).totals()
+            await admin.aclose()
+            done = totals.get("published", 0) + totals.get("suppressed", 0)
+            return totals if done == RECORDS and totals["in_flight"] == 0 else None
+
+        deadline = time.monotonic() + TIMEOUT
+        while not (totals := asyncio.run(settled())) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert totals, "every record published or suppressed"
+        while time.monotonic() < deadline:
+            try:
+                status = client.status(url)
+                if status["consumer"]["records"] == totals["published"] and status["tests"]:
+                    break
+            except client.ConsumerError:
+                pass
+            time.sleep(0.5)
+        assert status["consumer"]["records"] == totals["published"]
+        assert totals["rejected"] == len(leaks) + 5
+
+        # The restricted users can do their work and nothing else.
+        async def forbidden() -> list[str]:
+            refused = []
+            user = aioredis.from_url(
+                redis_server.url, username="splu-worker", password=passwords["worker"]
+            )
+            for command in (("KEYS", "*"), ("FLUSHALL",), ("CONFIG", "GET", "*"),
+                            ("SET", "splu:{other:0}:x", "1"), ("ACL", "LIST")):  # fmt: skip
+                try:
+                    await user.execute_command(*command)
+                except NoPermissionError:
+                    refused.append(command[0])
+            await user.aclose()
+            return refused
+
+        assert asyncio.run(forbidden()) == ["KEYS", "FLUSHALL", "CONFIG", "SET", "ACL"]
+
+        # Only the schema's attributes, under a 32-hex-digit token, with no headers.
+        published = asyncio.run(read_published(config, totals["published"]))
+        assert len(published) == totals["published"]
+        for message in published:
+            assert set(json.loads(message.value)) == set(config.schema.names)
+            assert len(message.key) == 32 and int(message.key, 16) >= 0
+            assert not message.headers
+    finally:
+        consumer.stop()
+        worker.stop()
+
+    # No marker in either log, though the logs are at info level and the run rejected
+    # records whose sensitive value was a marker.
+    for role, path in logs.items():
+        text = path.read_text(errors="replace")
+        assert text, f"the {role} logged nothing at info level"
+        found = [m for m in [*markers.values(), *leaks] if m in text]
+        assert not found, f"{role} log holds raw values {found[:3]}"
+
+    # What is left in Redis: no record, pool or in-flight entry; keyed digests only.
+    async def leftovers() -> tuple[set[str], list[bytes]]:
+        admin = aioredis.from_url(redis_server.url)
+        kinds, digests = set(), []
+        for partition in range(config.partitions):
+            prefix = BufferState(admin, config).prefix(partition)
+            async for key in admin.scan_iter(match=f"{prefix}:*"):
+                kind = key.decode()[len(prefix) + 1 :].split(":")[0]
+                kinds.add(kind)
+                if kind == "d":
+                    digests += list((await admin.hgetall(key)).values())
+        await admin.aclose()
+        return kinds, digests
+
+    kinds, digests = asyncio.run(leftovers())
+    redis_server.stop()
+    assert kinds <= LEFT_BEHIND, kinds - LEFT_BEHIND
+    # An unkeyed hash of a record's codes could be inverted by trying every possible record.
+    unkeyed = {
+        hashlib.blake2b(
+            np.asarray(config.schema.encode_record(json.loads(value), key), np.int64).tobytes(),
+            digest_size=8,
+        ).digest()
+        for key, value in rows(config, markers, [])[:RECORDS]
+    }
+    assert len(digests) == RECORDS and not unkeyed & set(digests)
+
+
+def _certificates(directory: Path) -> tuple[Path, Path, Path]:
+    """A throwaway CA and a server certificate for 127.0.0.1 signed by it."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    def name(text: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, text)])
+
+    now = datetime.datetime.now(datetime.UTC)
+    valid = now - datetime.timedelta(minutes=5), now + datetime.timedelta(hours=1)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    server_key = ec.generate_private_key(ec.SECP256R1())
+
+    def certificate(subject: str, key, extension, critical: bool) -> x509.Certificate:  # type: ignore[no-untyped-def]
+        builder = x509.CertificateBuilder().subject_name(name(subject))
+        builder = builder.issuer_name(name("splu test CA")).public_key(key.public_key())
+        builder = builder.serial_number(x509.random_serial_number())
+        builder = builder.not_valid_before(valid[0]).not_valid_after(valid[1])
+        return builder.add_extension(extension, critical=critical).sign(ca_key, hashes.SHA256())
+
+    ca = certificate("splu test CA", ca_key, x509.BasicConstraints(ca=True, path_length=None), True)
+    loopback = x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+    server = certificate("127.0.0.1", server_key, loopback, False)
+    paths = directory / "server.crt", directory / "server.key", directory / "ca.crt"
+    paths[0].write_bytes(server.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(
+        server_key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )  # fmt: skip
+    paths[1].chmod(0o600)
+    paths[2].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    return paths
+
+
+def test_the_buffer_talks_tls_when_configured(tmp_path):
+    """Debian's redis-server (installed by deploy/system-packages.sh) has TLS built in."""
+    binary = shutil.which("redis-server")
+    assert binary, "deploy/system-packages.sh installs redis-server"
+    certificate, key, authority = _certificates(tmp_path)
+    server = RedisServer(tmp_path / "redis", binary=Path(binary), tls=(certificate, key, authority))
+    server.start()
+    try:
+        document = tomllib.loads((EXAMPLES / "adult-decoy.toml").read_text())
+        document["stream"]["name"] = f"tls{uuid.uuid4().hex[:8]}"
+        document["redis"].update(url=server.tls_url, ca_file=str(authority))
+        path = tmp_path / "tls.toml"
+        path.write_text(tomli_w.dumps(document))
+        config = load_config(path)
+
+        async def over_tls() -> tuple[int, dict]:
+            buffer = BufferState(connect(config), config)
+            await buffer.pause("tls check")
+            reason = await buffer.paused()
+            await buffer.pause(None)
+            stats = await buffer.totals()
+            await buffer.client.aclose()
+            return reason, stats
+
+        reason, stats = asyncio.run(over_tls())
+        assert reason == "tls check" and stats["pending"] == 0
+
+        # Without the CA the server's certificate is refused; a plain URL with TLS files is
+        # a configuration error naming the field.
+        async def without_ca() -> None:
+            unverified = aioredis.from_url(server.tls_url)
+            try:
+                await unverified.ping()
+            finally:
+                await unverified.aclose()
+
+        with pytest.raises(RedisConnectionError):
+            asyncio.run(without_ca())
+        document["redis"]["url"] = server.url
+        path.write_text(tomli_w.dumps(document))
+        with pytest.raises(ConfigError, match=r"redis\.ca_file"):
+            load_config(path)
+    finally:
+        server.stop()
