@@ -39,8 +39,8 @@ def _csv(codes: list[int]) -> bytes:
 # with the caller's permissions), scripts by hash, nothing dangerous (KEYS, FLUSHALL,
 # CONFIG, DEBUG ...), and only the stream's own keys.
 _ACL_COMMANDS = (
-    "-@all +@read +@write -@dangerous +evalsha +eval +script|load +script|exists "
-    "+ping +hello +client|setinfo"
+    "-@all +@read +@write +@transaction -@dangerous +evalsha +eval +script|load "
+    "+script|exists +ping +hello +client|setinfo"
 )
 ROLES = ("worker", "consumer")
 
@@ -109,7 +109,8 @@ class BufferState:
     async def stats(self, partition: int) -> dict[str, int]:
         """Counters of one partition plus its current pending and pool sizes."""
         prefix = self.prefix(partition)
-        async with self.client.pipeline(transaction=False) as pipe:
+        # One transaction: a snapshot between two Lua steps, so the counts add up.
+        async with self.client.pipeline(transaction=True) as pipe:
             pipe.hgetall(f"{prefix}:stats")
             pipe.hlen(f"{prefix}:rec")
             pipe.zcard(f"{prefix}:pool")
@@ -117,6 +118,9 @@ class BufferState:
             counters, pending, pool, in_flight = await pipe.execute()
         out = {k.decode(): int(v) for k, v in counters.items()}
         out.update(pending=pending, pool=pool, in_flight=in_flight)
+        # Records a record TTL removed before they were published or suppressed.
+        resolved = out.get("published", 0) + out.get("suppressed", 0)
+        out["expired"] = max(out.get("ingested", 0) - resolved - pending - pool - in_flight, 0)
         return out
 
     async def totals(self) -> dict[str, int]:
@@ -201,6 +205,7 @@ class StreamBuffer(BufferState):
         self._ingest = client.register_script(lua_script("ingest", config.mechanism))
         self._take = client.register_script(lua_script("emit"))
         self._acknowledge = client.register_script(lua_script("acknowledge"))
+        self._ttl = int((config.record_ttl or 0) * 1000)
         # Secret per-partition seeds for the keyed choice of decoy groups.
         self._seed_key = key.subkey("decoy cuts").hex()
         if config.personal is not None:
@@ -217,13 +222,13 @@ class StreamBuffer(BufferState):
         """Store a batch (or nothing: a timer tick) and do every cut or release now due."""
         records = len(batch) if batch is not None else 0
         max_wait = int(self.config.max_wait * 1000)
-        window = int(self.config.dedup_window * 1000)
+        window, ttl = int(self.config.dedup_window * 1000), self._ttl
         if self.config.decoy is not None:
             w = len(self.config.sensitive)
             seed = f"{self._seed_key}:{partition}"
-            args: list = [now_ms, max_wait, self.config.decoy.gamma, w, seed, window, records]
+            args: list = [now_ms, max_wait, self.config.decoy.gamma, w, seed, window, ttl, records]
         else:
-            args = [now_ms, max_wait, *self._personal_args, window, records]
+            args = [now_ms, max_wait, *self._personal_args, window, ttl, records]
         if batch is not None:
             # One argument per record: id (32 hex digits), digest (8 bytes), then '|'-separated
             # fields, the raw offset and then the dedup key last, since a producer's record
@@ -264,7 +269,7 @@ class StreamBuffer(BufferState):
         """Up to `limit` records due for publication, each under a fresh random token."""
         args = [
             now_ms, self.config.mixing_pool, int(self.config.flush_interval * 1000), limit,
-            secrets.token_hex(16),
+            secrets.token_hex(16), self._ttl,
         ]  # fmt: skip
         blob = await self._take(keys=[self.prefix(partition)], args=args)
         return [

@@ -14,6 +14,8 @@
     dedup_window = 600.0         # seconds a record id (worker) or token (consumer) is
                                  # remembered: redeliveries within it are recognised by id,
                                  # replays of a raw partition at any age by their offset
+    record_ttl = 86400.0         # optional: buffered records (raw, pooled, in flight) expire
+                                 # this long after a worker last touched their partition
 
     [key]                        # the service key is never written in this file
     env = "SPLU_SERVICE_KEY"     # 64 hex characters, or
@@ -140,6 +142,7 @@ class StreamConfig:
     batch_size: int
     batch_wait: float
     dedup_window: float
+    record_ttl: float | None
     topics: Mapping[str, str]
     key_env: str | None
     key_file: Path | None
@@ -301,6 +304,7 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
         "batch_size": stream.integer("batch_size", 2000),
         "batch_wait": stream.number("batch_wait", 0.2),
         "dedup_window": stream.number("dedup_window", 600.0),
+        "record_ttl": stream.number("record_ttl") if stream.get("record_ttl") else None,
     }
     stream.finish()
 

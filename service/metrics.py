@@ -86,7 +86,9 @@ def render_prometheus(status: Mapping[str, Any]) -> str:
         )
 
     worker = status["worker"]
-    states = ("ingested", "published", "suppressed", "rejected", "redelivered", "conflicts")
+    states = (
+        "ingested", "published", "suppressed", "rejected", "redelivered", "conflicts", "expired"
+    )  # fmt: skip
     family(
         "splu_records_total", "counter", "Raw records by what became of them.",
         [({"state": s}, worker.get(s, 0)) for s in states],

@@ -254,6 +254,37 @@ def test_personal_trials_copies_and_budget(servers):
 
 
 @pytest.mark.parametrize("example", ["adult-decoy.toml", "adult-personal.toml"])
+def test_record_ttl_removes_buffered_records_of_an_abandoned_partition(servers, example):
+    """With record_ttl, raw records nobody publishes leave Redis by themselves, counted
+    as expired; group budgets stay, and the partition works on afterwards."""
+    config = stream_config(example, partitions=1, record_ttl=1.0, max_wait=1000.0)
+
+    async def scenario():
+        client = aioredis.from_url(servers.redis_url)
+        buffer, preparer = StreamBuffer(client, config, KEY), Preparer(config, KEY)
+        messages = adult_messages(config, 400)
+        batches, _ = preparer.prepare(messages[:300])
+        await buffer.ingest(0, batches[0], T0)
+        await buffer.take(0, T0, 100)  # some records in flight, never acknowledged
+        before = await buffer.stats(0)
+        await asyncio.sleep(1.5)  # longer than the TTL, and no worker touches the partition
+        after = await buffer.stats(0)
+        left = sorted({k.decode().rsplit("}:", 1)[1].split(":")[0]
+                       async for k in client.scan_iter(match=f"{buffer.prefix(0)}:*")})  # fmt: skip
+        later, _ = preparer.prepare(messages[300:])
+        resumed = await buffer.ingest(0, later[0], T0 + 2_000)
+        await client.aclose()
+        return before, after, left, resumed
+
+    before, after, left, resumed = run(scenario())
+    assert before["expired"] == 0 and before["pending"] + before["pool"] + before["in_flight"] > 0
+    assert after["pending"] == after["pool"] == after["in_flight"] == 0
+    assert after["expired"] == before["ingested"] == 300
+    assert not {"rec", "t", "b", "pool", "inflight", "gq"} & set(left), left
+    assert set(resumed.statuses) == {0}
+
+
+@pytest.mark.parametrize("example", ["adult-decoy.toml", "adult-personal.toml"])
 def test_dedup_index_is_bounded_and_replays_stay_recognised(servers, example):
     """Ids are remembered for one to two dedup windows, then dropped whole; a replay of
     the raw partition is still recognised by its offsets long after."""

@@ -6,7 +6,7 @@
 -- KEYS[1]  the partition's key prefix, "splu:{<stream>:<partition>}"; every key below
 --          extends it, so one Redis Cluster hash slot holds them all.
 -- ARGV     now_ms, max_wait_ms, gamma, w (sensitive attributes), seed, dedup window
---          (ms), n, then one argument per record: id (32 hex digits), digest (8 bytes),
+--          (ms), record ttl (ms, 0: none), n, then one argument per record: id (32 hex digits), digest (8 bytes),
 --          then "public codes|values|draws|raw offset|dedup key" (codes comma-separated).
 -- Returns  the number of pending records, the pool size, then position and status of
 --          each record not stored anew (1 redelivered, 2 id reused with other content).
@@ -22,7 +22,8 @@
 
 local base = KEYS[1]
 local now, max_wait, gamma = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local w, seed, window, n = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7])
+local w, seed, window, ttl = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7])
+local n = tonumber(ARGV[8])
 local k_rec, k_time = base .. ':rec', base .. ':t'
 local k_pool, k_stats, k_sup = base .. ':pool', base .. ':stats', base .. ':sup'
 local k_truth = base .. ':truth'
@@ -36,7 +37,7 @@ end
 open_dedup(base, k_stats, now, window)
 local added = 0
 for r = 1, n do
-  local id, digest, fields = parse(ARGV[7 + r], 5)
+  local id, digest, fields = parse(ARGV[8 + r], 5)
   if first_seen(r, fields[5], digest, fields[4]) then
     local public, values, draws = fields[1], split(fields[2]), split(fields[3])
     for a = 1, w do
@@ -181,6 +182,15 @@ for _, id in ipairs(expired) do
   redis.call('HDEL', k_rec, id)
   redis.call('ZREM', k_time, id)
 end
+
+local buffered = {k_rec, k_time}
+for a = 1, w do
+  buffered[#buffered + 1] = base .. ':n:' .. a
+  for _, v in ipairs(redis.call('HKEYS', base .. ':n:' .. a)) do
+    buffered[#buffered + 1] = base .. ':b:' .. a .. ':' .. v
+  end
+end
+expire_with_ttl(ttl, buffered)
 
 redis.call('HSET', k_stats, 'draws', counter)
 redis.call('HINCRBY', k_stats, 'groups', groups)

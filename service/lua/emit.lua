@@ -6,13 +6,19 @@
 --
 -- KEYS[1]  the partition's key prefix.
 -- ARGV     now_ms, pool size to keep, flush_after_ms, most records to move, a fresh
---          random seed for this call's tokens.
+--          random seed for this call's tokens, record ttl (ms, 0: none).
 -- Returns  one string, "token entry" lines (entries hold no space or newline), because
 --          one reply parses far faster than two per record.
 
 local base = KEYS[1]
 local k_pool, k_inflight, k_delay = base .. ':pool', base .. ':inflight', base .. ':delay'
 local now, keep, flush_after = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local ttl = tonumber(ARGV[6])
+if ttl > 0 then
+  -- As the buffered records (ingest.lua): pool and in-flight entries expire with them.
+  redis.call('PEXPIRE', k_pool, ttl)
+  redis.call('PEXPIRE', k_inflight, ttl)
+end
 local size = redis.call('ZCARD', k_pool)
 if size == 0 then return '' end
 local count = size - keep

@@ -69,3 +69,15 @@ local function reply(base, k_stats, added, waiting, pool)
   table.insert(status, 1, waiting)
   return status
 end
+
+-- With a record TTL, a partition's buffered records (and its pool and in-flight entries,
+-- see emit.lua) expire together ttl ms after a worker last touched the partition: while
+-- a worker runs its ticks keep them alive, and raw records of a stream nobody runs any
+-- more leave Redis by themselves. Counters and aggregates stay, so what expired shows
+-- as ingested records neither published, suppressed nor waiting.
+local function expire_with_ttl(ttl, keys)
+  if ttl <= 0 then return end
+  for _, key in ipairs(keys) do
+    redis.call('PEXPIRE', key, ttl)
+  end
+end

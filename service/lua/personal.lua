@@ -8,7 +8,7 @@
 -- KEYS[1]  the partition's key prefix, "splu:{<stream>:<partition>}".
 -- ARGV     now_ms, max_wait_ms, release_size, budget (adaptive, conservative or none),
 --          fixed budget (conservative), p, m, lambda, delta, partitions, dedup window
---          (ms), n, then one argument per record: id (32 hex digits), digest (8 bytes),
+--          (ms), record ttl (ms, 0: none), n, then one argument per record: id (32 hex digits), digest (8 bytes),
 --          then "public codes|group key|value|perturbed value|raw offset|dedup key".
 -- Returns  the number of buffered records, the pool size, then position and status of
 --          each record not stored anew (1 redelivered, 2 id reused with other content).
@@ -26,14 +26,15 @@ local base = KEYS[1]
 local now, max_wait, release_size = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local budget_mode, fixed_budget = ARGV[4], tonumber(ARGV[5])
 local p, m, lambda, delta = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
-local partitions, window, n = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12])
+local partitions, window, ttl = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12])
+local n = tonumber(ARGV[13])
 local k_rec, k_queue = base .. ':rec', base .. ':gq'
 local k_pool, k_stats, k_truth = base .. ':pool', base .. ':stats', base .. ':truth'
 
 open_dedup(base, k_stats, now, window)
 local touched, added = {}, 0
 for r = 1, n do
-  local id, digest, fields = parse(ARGV[12 + r], 6)
+  local id, digest, fields = parse(ARGV[13 + r], 6)
   if first_seen(r, fields[6], digest, fields[5]) then
     local public, group, value, perturbed = fields[1], fields[2], fields[3], fields[4]
     redis.call('HSET', k_rec, id, cmsgpack.pack({now, public, group, value, perturbed}))
@@ -122,6 +123,14 @@ end
 for _, group in ipairs(redis.call('ZRANGEBYSCORE', k_queue, '-inf', now - max_wait)) do
   release(group)
 end
+
+-- Group state (trials, their values, counts) never expires: a group that started over
+-- would get a second trial budget.
+local buffered = {k_rec, k_queue}
+for _, group in ipairs(redis.call('ZRANGE', k_queue, 0, -1)) do
+  buffered[#buffered + 1] = base .. ':g:' .. group .. ':buf'
+end
+expire_with_ttl(ttl, buffered)
 
 redis.call('HINCRBY', k_stats, 'releases', released)
 redis.call('HINCRBY', k_stats, 'pooled', pooled)
