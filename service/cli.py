@@ -3,41 +3,88 @@
 from __future__ import annotations
 
 import argparse
+import csv
+import hashlib
+import io
 import json
 import math
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 import numpy as np
 
 from service.config import load_config
 from service.dp_audit import audit_disclosures
 from service.guarantees import chebyshev_thresholds, privacy_threshold, utility_threshold
+from service.mechanisms.anatomy import Anatomy, AnatomyReconstruction, AnatomyRelease
+from service.mechanisms.dbr import DBRReconstruction, DistributionBasedRandomization
 from service.mechanisms.decoy import GROUPINGS, DecoyGroups
+from service.mechanisms.fprivacy import METHODS as BUCKET_METHODS
+from service.mechanisms.fprivacy import (
+    BucketPublication,
+    FPrivacyBucketization,
+    FPrivacyReconstruction,
+)
+from service.mechanisms.global_randomization import (
+    GlobalRandomization,
+    GlobalRandomizationReconstruction,
+)
+from service.mechanisms.laplace import LaplaceCounts
+from service.mechanisms.laplace import _canonical as laplace_query_key
 from service.mechanisms.personal import BUDGETS, GroupAudit, PersonalGroups
+from service.mechanisms.sdr import (
+    SUBTABLE_COLUMN,
+    SDRReconstruction,
+    SmallDomainRandomization,
+    SubTable,
+)
 from service.merge import ValueMap, fit_value_map
 from service.prf import ServiceKey, random_ids
 from service.reconstruct import (
     MATRICES,
     METHODS,
     DecoyReconstruction,
+    Estimate,
     PersonalReconstruction,
     PublishedCells,
     Query,
     QueryError,
     Reconstruction,
 )
-from service.schema import Rejection, Schema, SchemaError
-from service.table import Table, open_sample, open_text, read_rows, read_table, write_table
+from service.schema import Attribute, Rejection, Schema, SchemaError
+from service.table import (
+    RawRows,
+    Table,
+    open_sample,
+    open_text,
+    read_rows,
+    read_table,
+    write_table,
+)
 
+# The stream mechanisms (`splu demo`, `--url`); batch publication also has the others.
 MECHANISMS = ("decoy", "personal")
+BATCH_ONLY = ("sdr", "fprivacy", "anatomy", "dbr", "global")
+# laplace publishes nothing: `splu query --mechanism laplace --input RAW.csv` (trusted side).
+QUERYABLE = (*MECHANISMS, *BATCH_ONLY, "laplace")
+CLIPPABLE = ("decoy", "personal", "sdr", "global")
 SHOWN = 10
+
+# Files a batch-only publication writes beside OUT.csv (OUT = its name without .csv).
+PARAMS_SUFFIX = "params.json"  # public parameters, domains and checksums: every batch-only one
+ST_SUFFIX = "st.csv"  # the sensitive table ST of anatomy and fprivacy
+# The public column each mechanism adds to OUT.csv: SDR's sub-table, Anatomy's QI-group
+# and F′-privacy's bucket id (the BID of the QIT).
+EXTRA_COLUMN = {"sdr": SUBTABLE_COLUMN, "anatomy": "group", "fprivacy": "bucket"}
+COUNT_COLUMN = "count"
 
 GAMMA_HELP = (
     "decoy: group size γ ≥ 2 (default 5). Each record publishes a value drawn "
@@ -45,6 +92,11 @@ GAMMA_HELP = (
     "tell which of γ values a person had. A value with true count f is published "
     "as Binomial(γf, 1/γ): small counts get relative noise ≈ √((γ−1)/(γf)), large "
     "counts stay accurate. The papers recommend γ ≥ 5."
+)
+GAMMA_BASELINES_HELP = (
+    " anatomy: ℓ = γ distinct sensitive values per group (default 5; the papers compare "
+    "Anatomy at ℓ = γ). global: keep the value with probability 1/γ, else publish one of "
+    "the other m − 1 values uniformly (default 5; needs m > γ)."
 )
 RETENTION_HELP = (
     "personal: retention probability p in (0, 1) (default 0.5): a record keeps its "
@@ -54,15 +106,31 @@ LAMBDA_HELP = (
     "personal: relative error λ (default 0.3) and bound δ (default 0.3): no one can "
     "prove a personal group's reconstruction is within λ with probability above 1 − δ"
 )
+DELTA_HELP = (
+    "personal: δ in (0, 1), see --lambda (default 0.3). sdr: the error bound PP "
+    "minimizes holds with confidence 1 − δ (default 0.05); it scales the reported bound "
+    "and never changes the partition"
+)
 BUDGET_HELP = (
     "personal: trials allowed per group: adaptive (its true largest frequency, default), "
     "conservative (frequency 1, safe under drift), none (plain perturbation, for comparison)"
 )
+RHO_HELP = (
+    "sdr: restricted (ρ1, ρ2)-privacy, 0 < ρ1 < ρ2 < 1 (default 1/13 and 1/6, the paper's "
+    "setting on occupation): a value with relative frequency ≤ ρ1 is never inferred with "
+    "posterior above ρ2; more frequent values are not protected. Decimals or ratios (1/13)"
+)
 MECHANISM_OPTIONS = {
     "decoy": ("gamma", "grouping", "method", "matrix", "tolerance", "max_iterations"),
     "personal": ("retention", "lam", "delta", "budget", "merge_map"),
+    "sdr": ("rho1", "rho2", "delta"),
+    "fprivacy": ("theta", "beta", "max_size", "min_size", "bucket_method", "fake_values"),
+    "anatomy": ("gamma",),
+    "dbr": (),
+    "global": ("gamma",),
+    "laplace": ("epsilon",),
 }
-OPTION_FLAGS = {"lam": "--lambda", "max_iterations": "--max-iterations", "merge_map": "--merge-map"}
+OPTION_FLAGS = {"lam": "--lambda"}
 PERSONAL_DEFAULTS = {"retention": 0.5, "lam": 0.3, "delta": 0.3, "budget": "adaptive"}
 DECOY_DEFAULTS = {
     "gamma": 5,
@@ -72,6 +140,27 @@ DECOY_DEFAULTS = {
     "tolerance": 0.01,
     "max_iterations": 10_000,
 }
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "decoy": DECOY_DEFAULTS,
+    "personal": PERSONAL_DEFAULTS,
+    "sdr": {"rho1": Fraction(1, 13), "rho2": Fraction(1, 6), "delta": 0.05},
+    "fprivacy": {
+        "theta": Fraction(8),
+        "beta": Fraction(1, 50),
+        "max_size": 50,
+        "min_size": 1,
+        "bucket_method": "multi",
+        "fake_values": 0,
+    },
+    "anatomy": {"gamma": 5},
+    "dbr": {},
+    "global": {"gamma": 5},
+    "laplace": {},
+}
+
+
+def _flag(option: str) -> str:
+    return OPTION_FLAGS.get(option, "--" + option.replace("_", "-"))
 
 
 class CommandError(Exception):
@@ -137,19 +226,75 @@ def _write_json(path: str, document: Any) -> None:
 
 
 def _mechanism_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The options of --mechanism with defaults filled in; others given are an error."""
+    """The options of --mechanism, checked, with defaults filled in; others given are an error."""
     chosen = args.mechanism
-    for mechanism, options in MECHANISM_OPTIONS.items():
-        if mechanism == chosen:
+    for option in dict.fromkeys(o for options in MECHANISM_OPTIONS.values() for o in options):
+        if option in MECHANISM_OPTIONS[chosen] or getattr(args, option, None) is None:
             continue
-        for option in options:
-            if option in MECHANISM_OPTIONS[chosen] or getattr(args, option, None) is None:
-                continue
-            flag = OPTION_FLAGS.get(option, f"--{option}")
-            raise CommandError(f"{flag} applies to --mechanism {mechanism}, not {chosen}")
-    defaults = DECOY_DEFAULTS if chosen == "decoy" else PERSONAL_DEFAULTS
+        owners = [m for m, options in MECHANISM_OPTIONS.items() if option in options]
+        listed = ", ".join(owners[:-1]) + " or " + owners[-1] if len(owners) > 1 else owners[0]
+        raise CommandError(f"{_flag(option)} applies to --mechanism {listed}, not {chosen}")
+    defaults = DEFAULTS[chosen]
     settings = {o: getattr(args, o, None) for o in MECHANISM_OPTIONS[chosen]}
-    return {o: defaults[o] if v is None and o in defaults else v for o, v in settings.items()}
+    settings = {o: defaults[o] if v is None and o in defaults else v for o, v in settings.items()}
+    return _checked_settings(chosen, settings)
+
+
+def _fraction(value: object, flag: str) -> Fraction:
+    """An exact number from a decimal or a ratio as written (0.02 is 1/50, not a float)."""
+    if isinstance(value, Fraction):
+        return value
+    try:
+        return Fraction(str(value).strip())
+    except (ValueError, ZeroDivisionError):
+        raise CommandError(f"{flag} must be a number or a ratio like 1/13, got {value!r}") from None
+
+
+def _checked_settings(chosen: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """Check the options the CLI validates itself, so each error names its flag; exact
+    numbers (ρ, θ, β) become Fractions."""
+    out = dict(settings)
+    if "gamma" in out and out["gamma"] < 2:
+        raise CommandError(f"--gamma must be at least 2, got {out['gamma']}")
+    if chosen == "sdr":
+        for option in ("rho1", "rho2"):
+            out[option] = _fraction(out[option], _flag(option))
+            if not 0 < out[option] < 1:
+                raise CommandError(f"{_flag(option)} must lie in (0, 1), got {out[option]}")
+        if not out["rho1"] < out["rho2"]:
+            raise CommandError(
+                f"--rho1 ({out['rho1']}) must be below --rho2 ({out['rho2']}): the posterior "
+                "bound must exceed the prior it protects"
+            )
+        if not 0 < out["delta"] < 1:
+            raise CommandError(f"--delta must lie in (0, 1), got {out['delta']}")
+    elif chosen == "fprivacy":
+        out["theta"] = _fraction(out["theta"], "--theta")
+        out["beta"] = _fraction(out["beta"], "--beta")
+        if out["theta"] <= 0:
+            raise CommandError(f"--theta must be positive, got {out['theta']}")
+        if not 0 <= out["beta"] <= 1:
+            raise CommandError(f"--beta must lie in [0, 1], got {out['beta']}")
+        if out["max_size"] < 1:
+            raise CommandError(f"--max-size must be at least 1, got {out['max_size']}")
+        if not 1 <= out["min_size"] <= out["max_size"]:
+            raise CommandError(
+                f"--min-size must lie in 1..{out['max_size']} (--max-size), got {out['min_size']}"
+            )
+        if out["fake_values"] < 0:
+            raise CommandError(f"--fake-values must be 0 or more, got {out['fake_values']}")
+    elif chosen == "laplace":
+        epsilon = out["epsilon"]
+        if epsilon is None:
+            raise CommandError("--mechanism laplace needs its privacy budget: give --epsilon E")
+        if not (math.isfinite(epsilon) and epsilon > 0):
+            raise CommandError(f"--epsilon must be a positive number, got {epsilon}")
+    return out
+
+
+def _shown(value: object) -> object:
+    """An option's value as OUT.params.json records it (exact numbers as text: "1/13")."""
+    return str(value) if isinstance(value, Fraction) else value
 
 
 def _read_input_table(args: argparse.Namespace) -> tuple[Table, list[Rejection]]:
@@ -264,29 +409,331 @@ def _publish_personal(
     }
 
 
+@dataclass
+class _Batch:
+    """A batch-only publication: OUT.csv's columns, ST where there is one, the public
+    parameters for OUT.params.json, and the trusted-side accounting for --report."""
+
+    header: list[str]
+    columns: list[np.ndarray]
+    params: dict[str, Any] = field(default_factory=dict)
+    details: dict[str, Any] = field(default_factory=dict)
+    st_header: list[str] | None = None
+    st_columns: list[np.ndarray] | None = None
+
+
+def _labels(attribute: Attribute, codes: np.ndarray) -> np.ndarray:
+    return np.asarray(attribute.domain, dtype=object)[codes]
+
+
+def _check_reserved(table: Table, mechanism: str) -> None:
+    """OUT.csv adds the mechanism's column to the public ones; ST holds it, the sensitive
+    column and a count. A data column of the same name would make a header ambiguous."""
+    extra = EXTRA_COLUMN.get(mechanism)
+    if extra is None:
+        return
+    reserved = {extra, COUNT_COLUMN} if mechanism in ("anatomy", "fprivacy") else {extra}
+    for attribute in table.schema.attributes:
+        if attribute.name in (reserved if attribute.sensitive else {extra}):
+            raise CommandError(
+                f"column {attribute.name!r}: --mechanism {mechanism} publishes a column of that "
+                "name itself; rename it in the input"
+            )
+
+
+def _publish_sdr(
+    settings: dict[str, Any], table: Table, ids: np.ndarray, key: ServiceKey
+) -> _Batch:
+    mechanism = SmallDomainRandomization(settings["rho1"], settings["rho2"], settings["delta"])
+    release = mechanism.publish(table, ids, key)
+    published, partition = release.published, release.partition
+    attribute = table.schema[release.sensitive]
+    present = partition.counts > 0
+    protected = [attribute.domain[v] for v in np.flatnonzero(partition.protected)]
+    unprotected = [attribute.domain[v] for v in np.flatnonzero(present & ~partition.protected)]
+    _log(
+        f"  protected values (relative frequency ≤ ρ1 = {settings['rho1']}): "
+        f"{len(protected)} of {int(present.sum())}"
+    )
+    if unprotected:
+        _log(f"  not protected (more frequent than ρ1): {', '.join(unprotected)}")
+    shown = "; ".join(f"{s.size:,}, {s.m}, {float(s.gamma):.3g}" for s in release.subtables)
+    _log(f"  {len(release.subtables)} sub-tables (rows, m_i, γ_i): {shown}")
+    _log(
+        f"  error bound at confidence {1 - settings['delta']:g}: {partition.error_bound:.4f} "
+        f"(unpartitioned: {partition.unpartitioned_error:.4f})"
+    )
+    names = published.schema.names
+    return _Batch(
+        header=[*names, SUBTABLE_COLUMN],
+        columns=[*(published.labels(n) for n in names), release.subtable],
+        # What the paper publishes for reconstruction (App. 10.3): SA_i and γ_i (ρ_1i
+        # follows from γ_i and ρ2; |T_i| is the number of rows labelled i).
+        params={
+            "subtables": [
+                {
+                    "values": [attribute.domain[v] for v in s.values],
+                    "rows": s.size,
+                    "rho1": str(s.rho1),
+                    "gamma": str(s.gamma),
+                }
+                for s in release.subtables
+            ]
+        },
+        details={
+            "protected": protected,
+            "unprotected": unprotected,
+            "error_bound": partition.error_bound,
+            "unpartitioned_error": partition.unpartitioned_error,
+            "subtables": [
+                {"rows": s.size, "m": s.m, "gamma": float(s.gamma), "retention": float(s.retention)}
+                for s in release.subtables
+            ],
+        },
+    )
+
+
+def _publish_fprivacy(
+    settings: dict[str, Any], table: Table, ids: np.ndarray, key: ServiceKey
+) -> _Batch:
+    sigma = settings["fake_values"]
+    mechanism = FPrivacyBucketization(
+        settings["theta"], settings["beta"], max_size=settings["max_size"],
+        min_size=settings["min_size"], method=settings["bucket_method"], fake_values=sigma,
+    )  # fmt: skip
+    try:
+        release = mechanism.publish(table, ids, key)
+    except ValueError as err:
+        if isinstance(err, SchemaError) or not sigma:
+            raise
+        raise CommandError(f"--fake-values {sigma}: {err}") from None
+    published = release.published
+    attribute = published.sensitive
+    if release.suppressed:
+        listed = ", ".join(f"{v}: {c:,}" for v, c in sorted(release.suppressed.items()))
+        _log(f"  suppressed (above the share buckets ≤ --max-size allow): {listed}")
+    if len(release.trimmed_lines):
+        lines = ", ".join(str(x) for x in release.trimmed_lines[:SHOWN])
+        _log(f"  trimmed {len(release.trimmed_lines)} rows no bucket setting could take ({lines})")
+    _log(
+        f"  {published.buckets:,} buckets {release.setting}, loss {release.loss:,} "
+        f"(MSE {release.mse:.3f})" + (f", {sigma} fake values each" if sigma else "")
+    )
+    unprotected = [label for label, f in release.thresholds.items() if f == 1]
+    alone = int((published.sizes == 1).sum())
+    if unprotected:
+        _log(f"  f′ = 1 (not protected) for {', '.join(unprotected)}")
+    if alone:
+        _log(f"  {alone:,} rows sit alone in a bucket (f′ = 1 values): --min-size 2 hides them")
+    public = list(published.public)
+    return _Batch(
+        header=[*(a.name for a in public), EXTRA_COLUMN["fprivacy"]],
+        columns=[*(_labels(a, published.qit[a.name]) for a in public), published.bucket],
+        st_header=[EXTRA_COLUMN["fprivacy"], attribute.name, COUNT_COLUMN],
+        st_columns=[
+            published.st_bucket,
+            _labels(attribute, published.st_value),
+            published.st_count,
+        ],
+        params={"buckets": published.buckets},
+        details={
+            "setting": str(release.setting),
+            "loss": release.loss,
+            "mse": release.mse,
+            "thresholds": {label: str(f) for label, f in release.thresholds.items()},
+            "suppressed": release.suppressed,
+            "suppressed_lines": release.suppressed_lines.tolist(),
+            "trimmed_lines": release.trimmed_lines.tolist(),
+        },
+    )
+
+
+def _publish_anatomy(
+    settings: dict[str, Any], table: Table, ids: np.ndarray, key: ServiceKey
+) -> _Batch:
+    ell = settings["gamma"]
+    try:
+        release = Anatomy(ell).publish(table, ids, key)
+    except ValueError as err:
+        if isinstance(err, SchemaError):
+            raise
+        raise CommandError(f"--gamma {ell} (Anatomy's ℓ): {err}") from None
+    attribute = table.schema[release.sensitive]
+    larger = int((np.bincount(release.qit_group) > ell).sum())
+    _log(f"  {release.groups:,} groups of ℓ={ell} distinct values ({larger:,} took a residue row)")
+    public = table.schema.public
+    return _Batch(
+        header=[*(a.name for a in public), EXTRA_COLUMN["anatomy"]],
+        columns=[*(_labels(a, release.qit[a.name]) for a in public), release.qit_group],
+        st_header=[EXTRA_COLUMN["anatomy"], release.sensitive, COUNT_COLUMN],
+        st_columns=[release.st_group, _labels(attribute, release.st_value), release.st_count],
+        params={"groups": release.groups},
+        details={"ell": ell, "groups": release.groups},
+    )
+
+
+def _publish_dbr(
+    settings: dict[str, Any], table: Table, ids: np.ndarray, key: ServiceKey
+) -> _Batch:
+    published = DistributionBasedRandomization().publish(table, ids, key)
+    _log("  every sensitive value redrawn from its column's distribution, whatever the row held")
+    names = published.schema.names
+    return _Batch(header=names, columns=[published.labels(n) for n in names])
+
+
+def _publish_global(
+    settings: dict[str, Any], table: Table, ids: np.ndarray, key: ServiceKey
+) -> _Batch:
+    name = _only_sensitive(table, "--mechanism global")
+    gamma, m = settings["gamma"], table.schema[name].size
+    if m <= gamma:
+        raise CommandError(
+            f"--gamma {gamma}: global randomization keeps a value with probability 1/γ, "
+            f"above each other value's, only with more than γ values; {name!r} has {m}"
+        )
+    mechanism = GlobalRandomization(gamma, m)
+    published = mechanism.publish(table, ids, key)
+    _log(
+        f"  keep the value with p = 1/γ = {mechanism.keep:.4f}, publish each other one with "
+        f"q = {mechanism.switch:.4f} (m = {m})"
+    )
+    names = published.schema.names
+    return _Batch(
+        header=names,
+        columns=[published.labels(n) for n in names],
+        details={"gamma": gamma, "m": m, "keep": mechanism.keep, "switch": mechanism.switch},
+    )
+
+
+BATCH_PUBLISHERS: dict[str, Callable[..., _Batch]] = {
+    "sdr": _publish_sdr,
+    "fprivacy": _publish_fprivacy,
+    "anatomy": _publish_anatomy,
+    "dbr": _publish_dbr,
+    "global": _publish_global,
+}
+
+
+def _beside(path: str, suffix: str) -> str:
+    """OUT.csv → OUT.<suffix> in the same directory (OUT.csv.gz too; other names keep theirs)."""
+    target = Path(path)
+    name = target.name
+    for ending in (".csv.gz", ".csv"):
+        if name.endswith(ending) and len(name) > len(ending):
+            name = name[: -len(ending)]
+            break
+    return str(target.with_name(f"{name}.{suffix}"))
+
+
+def _csv_text(header: Sequence[str], columns: Sequence[np.ndarray]) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(header)
+    writer.writerows(zip(*columns, strict=True))
+    return buffer.getvalue()
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def _write_files(files: Sequence[tuple[str, str]]) -> None:
+    """Write every (path, text) to a temporary beside it, then rename them all, the first
+    last: a failure leaves no partial file, and the first appears only with the others."""
+    temporaries: list[str] = []
+    try:
+        for path, text in files:
+            target = Path(path)
+            if not target.parent.exists():
+                raise CommandError(f"cannot write {path}: directory {target.parent} does not exist")
+            handle, temporary = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+            temporaries.append(temporary)
+            # newline="": the bytes written are the text the checksum was taken of.
+            with os.fdopen(handle, "w", encoding="utf-8", newline="") as stream:
+                stream.write(text)
+        for (path, _), temporary in reversed(list(zip(files, temporaries, strict=True))):
+            Path(temporary).replace(path)
+    except BaseException:
+        for temporary in temporaries:
+            Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def _write_batch(
+    args: argparse.Namespace, settings: dict[str, Any], table: Table, batch: _Batch
+) -> list[str]:
+    """OUT.csv, OUT.st.csv (anatomy, fprivacy) and OUT.params.json; nothing from the trusted
+    side: no ids, no source lines, no true values, no thresholds fitted on the data."""
+    text = _csv_text(batch.header, batch.columns)
+    files = [(args.output, text)]
+    digests = {"published": _digest(text)}
+    if batch.st_header is not None and batch.st_columns is not None:
+        st_text = _csv_text(batch.st_header, batch.st_columns)
+        files.append((_beside(args.output, ST_SUFFIX), st_text))
+        digests["st"] = _digest(st_text)
+    sensitive = [a.name for a in table.schema.sensitive]
+    params = {
+        "mechanism": args.mechanism,
+        "published": Path(args.output).name,
+        "rows": len(batch.columns[0]),
+        "quasi": [a.name for a in table.schema.public],
+        "sensitive": sensitive,
+        "domain": {name: list(table.schema[name].domain) for name in sensitive},
+        "options": {o: _shown(settings[o]) for o in MECHANISM_OPTIONS[args.mechanism]},
+        **batch.params,
+        # Ties the files together: `splu query` refuses a stale or foreign OUT.st.csv.
+        "sha256": digests,
+    }
+    document = json.dumps(params, indent=2, ensure_ascii=False) + "\n"
+    files.append((_beside(args.output, PARAMS_SUFFIX), document))
+    _write_files(files)
+    return [path for path, _ in files]
+
+
 def command_publish(args: argparse.Namespace) -> int:
+    if args.mechanism == "laplace":
+        raise CommandError(
+            "--mechanism laplace publishes nothing: it answers queries from the raw data with "
+            "noise, on the trusted side; run `splu query --mechanism laplace --input IN.csv "
+            "--epsilon E --sensitive COL --quasi ... --queries Q.jsonl --output R.jsonl`"
+        )
     started = time.perf_counter()
     settings = _mechanism_settings(args)
+    batch_only = args.mechanism in BATCH_ONLY
+    if batch_only and args.output == "-":
+        raise CommandError(
+            f"--output -: --mechanism {args.mechanism} writes OUT.{PARAMS_SUFFIX} beside "
+            "OUT.csv (see --help), so give a file name"
+        )
     table, rejections = _read_input_table(args)
     rows_read = len(table) + len(rejections)
     _log(f"splu publish: read {rows_read:,} rows from {args.input}")
     _report_rejections(rejections)
+    if batch_only:
+        _check_reserved(table, args.mechanism)
     key, ids = _key_and_ids(args.seed, len(table))
-    publish = _publish_decoy if args.mechanism == "decoy" else _publish_personal
-    published, details = publish(settings, table, ids, key)
-    _write_atomically(args.output, lambda s: write_table(published, s))
+    if batch_only:
+        batch = BATCH_PUBLISHERS[args.mechanism](settings, table, ids, key)
+        files = _write_batch(args, settings, table, batch)
+        rows, details = len(batch.columns[0]), {**batch.details, "files": files}
+        beside = f" (and {', '.join(files[1:])})"
+    else:
+        publish = _publish_decoy if args.mechanism == "decoy" else _publish_personal
+        published, details = publish(settings, table, ids, key)
+        _write_atomically(args.output, lambda s: write_table(published, s))
+        rows, beside = len(published), ""
     if args.report:
         _write_json(args.report, {
             "mechanism": args.mechanism,
             "input_rows": rows_read,
-            "published_rows": len(published),
+            "published_rows": rows,
             "rejected": [
                 {"line": r.record, "field": r.field, "reason": r.reason} for r in rejections
             ],
             **details,
         })  # fmt: skip
     _log(
-        f"  published {len(published):,} rows to {args.output} "
+        f"  published {rows:,} rows to {args.output}{beside} "
         f"in {time.perf_counter() - started:.2f} s"
     )
     return 0
@@ -321,10 +768,21 @@ def _reconstruction(
     )  # fmt: skip
 
 
+class _Answers(Protocol):
+    """What answers queries: every Reconstruction, and F′-privacy's estimator."""
+
+    def check(self, query: Query) -> None: ...
+
+    def estimate_many(self, queries: Sequence[Query]) -> list[Estimate]: ...
+
+
 def _read_queries(
-    path: str, reconstruction: Reconstruction
+    path: str, reconstruction: _Answers, domains: Mapping[str, Collection[str]] | None = None
 ) -> tuple[list[dict[str, Any]], list[Query | None]]:
-    """Every non-blank line: its object (with "error" if unusable) and its parsed query."""
+    """Every non-blank line: its object (with "error" if unusable) and its parsed query.
+
+    With `domains`, a sensitive value outside its column's domain is an error of its line.
+    """
     objects: list[dict[str, Any]] = []
     parsed: list[Query | None] = []
     with _input(path) as stream:
@@ -340,6 +798,9 @@ def _read_queries(
             try:
                 query = Query.from_json(obj)
                 reconstruction.check(query)
+                for column, label in query.value.items():
+                    if domains is not None and label not in domains[column]:
+                        raise QueryError(f"value.{column}: {label!r} is not in the domain")
             except QueryError as err:
                 shown = obj if isinstance(obj, dict) else {"line": number}
                 objects.append({**shown, "error": str(err)})
@@ -351,11 +812,15 @@ def _read_queries(
 
 
 def _query_service(args: argparse.Namespace) -> int:
-    given = [flag for flag in ("sensitive", "gamma", "retention", "lam", "delta", "budget",
-             "merge_map", "method", "matrix", "tolerance", "max_iterations", "clip")
-             if getattr(args, flag, None) is not None]  # fmt: skip
+    if args.mechanism not in MECHANISMS:
+        raise CommandError(
+            f"--mechanism {args.mechanism} runs in batch only: query its files with --published"
+        )
+    options = [o for options in MECHANISM_OPTIONS.values() for o in options]
+    given = [o for o in dict.fromkeys(["sensitive", *options, "clip", "quasi", "bin", "schema",
+             "seed"]) if getattr(args, o, None) is not None]  # fmt: skip
     if given:
-        flag = OPTION_FLAGS.get(given[0], f"--{given[0]}")
+        flag = _flag(given[0])
         raise CommandError(f"{flag} does not apply with --url: the stream's config decides")
     lines: list[Any] = []
     with _input(args.queries) as stream:
@@ -397,30 +862,238 @@ def _write_answers(args: argparse.Namespace, results: list[dict[str, Any]], sour
     return 0
 
 
-def command_query(args: argparse.Namespace) -> int:
-    if (args.url is None) == (args.published is None):
-        raise CommandError(
-            "give --published FILE (a batch publication) or --url URL (a running consumer)"
-        )
-    if args.url is not None:
-        return _query_service(args)
-    settings = _mechanism_settings(args)
-    if not _columns(args.sensitive):
-        raise CommandError("name the sensitive column(s) of the published file with --sensitive")
-    with _input(args.published) as stream:
-        raw = read_rows(stream)
+def _read_text(path: str) -> str:
+    with _input(path) as stream:
+        return stream.read()
+
+
+def _rows(text: str, path: str) -> RawRows:
+    raw = read_rows(io.StringIO(text, newline=""))
     if raw.rejections:
-        raise CommandError(f"{args.published}: {raw.rejections[0]} (is it a published file?)")
-    cells = PublishedCells.from_rows(raw.header, raw.rows)
-    reconstruction = _reconstruction(args, settings, cells)
-    objects, parsed = _read_queries(args.queries, reconstruction)
+        raise CommandError(f"{path}: {raw.rejections[0]} (is it a published file?)")
+    return raw
+
+
+def _integers(values: Sequence[str], path: str, column: str) -> np.ndarray:
+    out = np.empty(len(values), dtype=np.int64)
+    for i, value in enumerate(values):
+        try:
+            out[i] = int(value)
+        except ValueError:
+            raise CommandError(f"{path}: {column!r} holds {value!r}, not a whole number") from None
+    return out
+
+
+def _encoded(values: Sequence[str]) -> tuple[tuple[str, ...], np.ndarray]:
+    """A column of labels as (its sorted distinct labels, codes into them)."""
+    domain = tuple(sorted(set(values)))
+    index = {v: i for i, v in enumerate(domain)}
+    return domain, np.fromiter((index[v] for v in values), np.int64, len(values))
+
+
+def _load_buckets(
+    mechanism: str, params: dict[str, Any], qit: RawRows, st: RawRows, paths: tuple[str, str]
+) -> _Answers:
+    """Anatomy's or F′-privacy's QIT (OUT.csv) and ST (OUT.st.csv) as its estimator."""
+    extra, name = EXTRA_COLUMN[mechanism], params["sensitive"][0]
+    quasi, domain = list(params["quasi"]), list(params["domain"][name])
+    for path, raw, header in (
+        (paths[0], qit, [*quasi, extra]),
+        (paths[1], st, [extra, name, COUNT_COLUMN]),
+    ):
+        if raw.header != header:
+            raise CommandError(f"{path}: expected the columns {', '.join(header)}")
+    public, codes = [], {}
+    for i, column in enumerate(quasi):
+        labels, codes[column] = _encoded([row[i] for row in qit.rows])
+        public.append(Attribute(column, False, labels))
+    group = _integers([row[-1] for row in qit.rows], paths[0], extra)
+    st_group = _integers([row[0] for row in st.rows], paths[1], extra)
+    st_count = _integers([row[2] for row in st.rows], paths[1], COUNT_COLUMN)
+    index = {v: i for i, v in enumerate(domain)}
+    unknown = [row[1] for row in st.rows if row[1] not in index]
+    if unknown:
+        raise CommandError(f"{paths[1]}: {unknown[0]!r} is not in the domain of {name!r}")
+    st_value = np.array([index[row[1]] for row in st.rows], dtype=np.int64)
+    sensitive = Attribute(name, True, tuple(domain))
+    if mechanism == "anatomy":
+        release = AnatomyRelease(
+            Schema((*public, sensitive)), name, int(params["options"]["gamma"]), codes, group,
+            st_group, st_value, st_count,
+        )  # fmt: skip
+        return AnatomyReconstruction(release)
+    published = BucketPublication(
+        tuple(public), codes, group, sensitive, st_group, st_value, st_count,
+        int(params["options"]["fake_values"]),
+    )  # fmt: skip
+    return FPrivacyReconstruction(published)
+
+
+def _load_batch(
+    args: argparse.Namespace, settings: dict[str, Any]
+) -> tuple[_Answers, int, dict[str, frozenset[str]]]:
+    """The estimator of a batch-only publication from OUT.csv and the files beside it, checked
+    against each other (checksums) and against the options given (which must agree)."""
+    mechanism = args.mechanism
+    if args.published == "-":
+        raise CommandError(
+            f"--published -: --mechanism {mechanism} reads OUT.{PARAMS_SUFFIX} beside OUT.csv, "
+            "so give the file name"
+        )
+    params_path = _beside(args.published, PARAMS_SUFFIX)
+    if not Path(params_path).exists():
+        raise CommandError(
+            f"cannot read {params_path}: `splu publish --mechanism {mechanism}` writes it beside "
+            f"{args.published}; query the files it wrote together"
+        )
+    try:
+        params = json.loads(_read_text(params_path))
+    except json.JSONDecodeError as err:
+        raise CommandError(f"{params_path}: not valid JSON ({err.msg})") from None
+    try:
+        if params["mechanism"] != mechanism:
+            raise CommandError(
+                f"{args.published} was published with --mechanism {params['mechanism']}, "
+                f"not {mechanism} (says {params_path})"
+            )
+        text = _read_text(args.published)
+        if _digest(text) != params["sha256"]["published"]:
+            raise CommandError(
+                f"{params_path} belongs to another publication than {args.published} (checksums "
+                "differ): query the files one `splu publish` wrote together"
+            )
+        sensitive = list(params["sensitive"])
+        given = _columns(args.sensitive)
+        if given and given != sensitive:
+            raise CommandError(
+                f"--sensitive {','.join(given)}: {args.published} protects {', '.join(sensitive)}"
+            )
+        for option, recorded in params["options"].items():
+            if getattr(args, option, None) is not None and _shown(settings[option]) != recorded:
+                raise CommandError(
+                    f"{_flag(option)} {getattr(args, option)} does not match the publication's "
+                    f"{recorded} (from {params_path})"
+                )
+        domains = {name: frozenset(params["domain"][name]) for name in sensitive}
+        raw = _rows(text, args.published)
+        if mechanism in ("anatomy", "fprivacy"):
+            st_path = _beside(args.published, ST_SUFFIX)
+            st_text = _read_text(st_path)
+            if _digest(st_text) != params["sha256"]["st"]:
+                raise CommandError(
+                    f"{st_path} belongs to another publication than {args.published} "
+                    "(checksums differ): query the files one `splu publish` wrote together"
+                )
+            paths = (args.published, st_path)
+            answers = _load_buckets(mechanism, params, raw, _rows(st_text, st_path), paths)
+            return answers, len(raw.rows), domains
+        extra = [EXTRA_COLUMN[mechanism]] if mechanism in EXTRA_COLUMN else []
+        header = [*params["quasi"], *sensitive, *extra]
+        if raw.header != header:
+            raise CommandError(f"{args.published}: expected the columns {', '.join(header)}")
+        cells = PublishedCells.from_rows(raw.header, raw.rows)
+        if mechanism == "dbr":
+            return DBRReconstruction(cells, sensitive, args.confidence), cells.total, domains
+        name, domain = sensitive[0], list(params["domain"][sensitive[0]])
+        if mechanism == "global":
+            gamma = int(params["options"]["gamma"])
+            reconstruction: Reconstruction = GlobalRandomizationReconstruction(
+                cells, name, gamma, len(domain), args.confidence, bool(args.clip)
+            )
+            return reconstruction, cells.total, domains
+        index = {v: i for i, v in enumerate(domain)}
+        subtables = [
+            SubTable(
+                tuple(sorted(index[v] for v in sub["values"])), int(sub["rows"]),
+                Fraction(sub["rho1"]), Fraction(sub["gamma"]),
+            )
+            for sub in params["subtables"]
+        ]  # fmt: skip
+        reconstruction = SDRReconstruction(
+            cells, name, subtables, domain, SUBTABLE_COLUMN, args.confidence, bool(args.clip)
+        )
+        return reconstruction, cells.total, domains
+    except (KeyError, TypeError, IndexError) as err:
+        raise CommandError(
+            f"{params_path}: not the parameters `splu publish` writes (at {err!r})"
+        ) from None
+
+
+def _query_laplace(args: argparse.Namespace, settings: dict[str, Any]) -> int:
+    """Noisy counts on the raw data: trusted side. m = distinct queries naming a sensitive
+    value (public-only ones are exact and outside the budget, as in LaplaceCounts)."""
+    if args.input is None:
+        raise CommandError(
+            "--mechanism laplace answers from the raw data: give --input RAW.csv (trusted "
+            "side), not --published"
+        )
+    table, rejections = _read_input_table(args)
+    _log(f"splu query: read {len(table) + len(rejections):,} raw rows from {args.input}")
+    _report_rejections(rejections)
+    sensitive = [a.name for a in table.schema.sensitive]
+    checker = Reconstruction(PublishedCells.from_table(table), sensitive, args.confidence, False)
+    domains = {a.name: frozenset(a.domain) for a in table.schema.sensitive}
+    objects, parsed = _read_queries(args.queries, checker, domains)
     valid = [q for q in parsed if q is not None]
-    answers = iter(reconstruction.estimate_many(valid))
+    budgeted = len({laplace_query_key(q) for q in valid if q.value})
+    mechanism = LaplaceCounts(settings["epsilon"], max(budgeted, 1), args.confidence)
+    key = ServiceKey.fresh() if args.seed is None else ServiceKey.from_seed(args.seed)
+    answers = iter(mechanism.answer(table, valid, key))
     results = [
         obj if q is None else {**obj, **next(answers).answer()}
         for obj, q in zip(objects, parsed, strict=True)
     ]
-    source = f"over {cells.total:,} published rows ({args.mechanism})"
+    _log(
+        f"  {budgeted:,} distinct sensitive queries share ε = {mechanism.epsilon:g}: "
+        f"noise Lap(b), b = m/ε = {mechanism.scale:g}"
+    )
+    return _write_answers(args, results, f"from {len(table):,} raw rows (laplace)")
+
+
+def command_query(args: argparse.Namespace) -> int:
+    if sum(source is not None for source in (args.published, args.url, args.input)) != 1:
+        raise CommandError(
+            "give --published FILE (a batch publication) or --url URL (a running consumer); "
+            "--mechanism laplace takes --input RAW.csv instead"
+        )
+    if args.url is not None:
+        return _query_service(args)
+    chosen = args.mechanism
+    if args.clip is not None and chosen not in CLIPPABLE:
+        raise CommandError(
+            f"--clip applies to --mechanism {', '.join(CLIPPABLE[:-1])} or {CLIPPABLE[-1]}, "
+            f"not {chosen}"
+        )
+    if chosen != "laplace":
+        for option in ("input", "quasi", "bin", "schema", "seed"):
+            if getattr(args, option, None) is not None:
+                raise CommandError(
+                    f"{_flag(option)} applies to --mechanism laplace (raw data), not {chosen}"
+                )
+    settings = _mechanism_settings(args)
+    if chosen == "laplace":
+        return _query_laplace(args, settings)
+    if chosen in BATCH_ONLY:
+        answerer, rows, domains = _load_batch(args, settings)
+    else:
+        if not _columns(args.sensitive):
+            raise CommandError(
+                "name the sensitive column(s) of the published file with --sensitive"
+            )
+        with _input(args.published) as stream:
+            raw = read_rows(stream)
+        if raw.rejections:
+            raise CommandError(f"{args.published}: {raw.rejections[0]} (is it a published file?)")
+        cells = PublishedCells.from_rows(raw.header, raw.rows)
+        answerer, rows, domains = _reconstruction(args, settings, cells), cells.total, None
+    objects, parsed = _read_queries(args.queries, answerer, domains)
+    valid = [q for q in parsed if q is not None]
+    answers = iter(answerer.estimate_many(valid))
+    results = [
+        obj if q is None else {**obj, **next(answers).answer()}
+        for obj, q in zip(objects, parsed, strict=True)
+    ]
+    source = f"over {rows:,} published rows ({chosen})"
     return _write_answers(args, results, source)
 
 
@@ -695,17 +1368,20 @@ def _add_table_options(parser: argparse.ArgumentParser, schema: bool = True) -> 
 def _add_mechanism_options(parser: argparse.ArgumentParser, reconstruction: bool) -> None:
     parser.add_argument(
         "--mechanism",
-        choices=MECHANISMS,
+        choices=QUERYABLE,
         default="decoy",
-        help="decoy (SPLU-Gen decoy groups, default) or personal "
-        "(personal groups with reconstruction privacy, SPS)",
+        help="decoy (SPLU-Gen decoy groups, default), personal (personal groups with "
+        "reconstruction privacy, SPS), or, in batch only: sdr (small domain randomization), "
+        "fprivacy (F′-privacy bucketization), anatomy, dbr (distribution-based "
+        "randomization), global (global randomization, mechanism A); laplace answers "
+        "queries from the raw data (`splu query --input`, trusted side)",
     )
-    decoy = parser.add_argument_group("decoy groups")
-    decoy.add_argument("--gamma", type=int, help=GAMMA_HELP)
-    personal = parser.add_argument_group("personal groups")
+    decoy = parser.add_argument_group("decoy groups (--gamma also: anatomy, global)")
+    decoy.add_argument("--gamma", type=int, help=GAMMA_HELP + GAMMA_BASELINES_HELP)
+    personal = parser.add_argument_group("personal groups (--delta also: sdr)")
     personal.add_argument("--retention", type=float, help=RETENTION_HELP)
     personal.add_argument("--lambda", dest="lam", type=float, help=LAMBDA_HELP)
-    personal.add_argument("--delta", type=float, help="personal: δ in (0, 1), see --lambda")
+    personal.add_argument("--delta", type=float, help=DELTA_HELP)
     personal.add_argument("--budget", choices=BUDGETS, help=BUDGET_HELP)
     personal.add_argument(
         "--merge-map",
@@ -713,6 +1389,51 @@ def _add_mechanism_options(parser: argparse.ArgumentParser, reconstruction: bool
         help="personal: merged public values from `splu merge`; publish "
         "fits one on its input without it, query needs it for exact m "
         "and intervals",
+    )
+    sdr = parser.add_argument_group(
+        "small domain randomization (sdr)",
+        "Partition the rows into sub-tables, perturb each within its own values SA_i\n"
+        "with its own γ_i; --delta: confidence of the error bound (see above).",
+    )
+    sdr.add_argument("--rho1", metavar="R", help=RHO_HELP)
+    sdr.add_argument("--rho2", metavar="R", help="sdr: see --rho1")
+    fprivacy = parser.add_argument_group(
+        "F′-privacy bucketization (fprivacy)",
+        "Buckets in which each value x holds at most ⌊f′_x·|bucket|⌋ rows, published as\n"
+        "QIT (public columns, bucket) and ST (bucket, value, count).",
+    )
+    fprivacy.add_argument(
+        "--theta",
+        metavar="X",
+        help="fprivacy: thresholds f′_x = min(1, θ·f_x + β), f_x the value's share "
+        "(default θ = 8, β = 0.02, the paper's); values with f′ = 1 are not protected",
+    )
+    fprivacy.add_argument("--beta", metavar="X", help="fprivacy: see --theta")
+    fprivacy.add_argument(
+        "--max-size",
+        type=int,
+        metavar="N",
+        help="fprivacy: largest bucket M′ (default 50); a value needing more is suppressed",
+    )
+    fprivacy.add_argument(
+        "--min-size",
+        type=int,
+        metavar="N",
+        help="fprivacy: smallest bucket (default 1); 2 keeps rows of values with f′ = 1 "
+        "out of buckets of one",
+    )
+    fprivacy.add_argument(
+        "--bucket-method",
+        choices=BUCKET_METHODS,
+        help="fprivacy: bucket sizes by Algorithm 2 (multi, default) or the optimal "
+        "two-size setting (two)",
+    )
+    fprivacy.add_argument(
+        "--fake-values",
+        type=int,
+        metavar="N",
+        help="fprivacy: σ fake values added to each bucket's ST (default 0); needs buckets "
+        "of distinct values",
     )
     if reconstruction:
         decoy.add_argument(
@@ -877,7 +1598,25 @@ def build_parser() -> argparse.ArgumentParser:
             "      --quasi education,occupation,race,sex --output merge.toml\n"
             "  splu publish --input adult.csv --output published.csv --mechanism personal \\\n"
             "      --retention 0.5 --lambda 0.3 --delta 0.3 --merge-map merge.toml \\\n"
-            "      --sensitive income --quasi education,occupation,race,sex"
+            "      --sensitive income --quasi education,occupation,race,sex\n"
+            "  splu publish --input adult.csv --output sdr.csv --mechanism sdr \\\n"
+            "      --rho1 1/13 --rho2 1/6 --sensitive occupation --quasi age,sex,race\n"
+            "  splu publish --input adult.csv --output buckets.csv --mechanism fprivacy \\\n"
+            "      --theta 8 --beta 0.02 --max-size 50 --sensitive occupation --quasi age,sex\n\n"
+            "files beside OUT.csv (batch-only mechanisms: sdr, fprivacy, anatomy, dbr, global):\n"
+            "OUT is the --output name without .csv; `splu query` reads them back and checks\n"
+            "that they belong together.\n"
+            "  OUT.params.json  every one: mechanism, options, columns, the sensitive\n"
+            "                   domain, sdr's SA_i, |T_i| and γ_i per sub-table, checksums\n"
+            "  OUT.st.csv       anatomy, fprivacy: the sensitive table ST, columns\n"
+            "                   group|bucket, the sensitive column, count\n"
+            "OUT.csv holds the --quasi columns, then the --sensitive ones, except:\n"
+            "  sdr        ... plus subtable: each row's sub-table (public, as in the paper)\n"
+            "  anatomy    the QIT: --quasi columns plus group; the values are in OUT.st.csv\n"
+            "  fprivacy   the QIT: --quasi columns plus bucket; the values are in OUT.st.csv\n"
+            "Rows come in the mechanism's keyed random order. No file holds ids, source\n"
+            "lines, true values or thresholds fitted on the data: those are in --report,\n"
+            "which stays on the trusted side."
         ),
     )  # fmt: skip
     _add_table_options(publish)
@@ -912,7 +1651,22 @@ def build_parser() -> argparse.ArgumentParser:
             "       '\"value\": {\"occupation\": \"Sales\"}}' > q.jsonl\n"
             "  splu query --published published.csv --mechanism decoy --gamma 5 \\\n"
             "      --sensitive occupation --queries q.jsonl --output answers.jsonl\n"
-            "  splu query --url http://127.0.0.1:6066 --queries q.jsonl --output -"
+            "  splu query --url http://127.0.0.1:6066 --queries q.jsonl --output -\n"
+            "  splu query --published sdr.csv --mechanism sdr --queries q.jsonl --output a.jsonl\n"
+            "  splu query --mechanism laplace --input adult.csv --epsilon 0.05 \\\n"
+            "      --sensitive occupation --quasi age,sex --queries q.jsonl --output a.jsonl\n\n"
+            "Batch-only mechanisms (sdr, fprivacy, anatomy, dbr, global) read OUT.params.json\n"
+            "and, for anatomy and fprivacy, OUT.st.csv beside --published OUT.csv (see\n"
+            "`splu publish --help`); --sensitive and their options may be left out, and must\n"
+            "match the publication if given. low/high is a normal interval for sdr and\n"
+            "global, exact (Clopper–Pearson) for a dbr value's total and absent for its\n"
+            "conjunctions, the range of counts consistent with the buckets for fprivacy (not\n"
+            "a confidence interval), and absent for anatomy (its estimator has no error model).\n\n"
+            "--mechanism laplace publishes nothing and RUNS ON THE TRUSTED SIDE: it answers\n"
+            "from the raw data (--input RAW.csv, columns as for publish), each count plus\n"
+            "Laplace noise of scale m/ε, m = the number of distinct queries in the file that\n"
+            "name a sensitive value (public-only queries are exact and outside the budget).\n"
+            "A run with a fresh key spends ε again; --seed repeats a run's noise."
         ),
     )  # fmt: skip
     source = query.add_mutually_exclusive_group()
@@ -922,11 +1676,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="instead, ask a running consumer (`splu consumer`), e.g. http://127.0.0.1:6066; "
         "its stream's config decides mechanism and options",
     )
+    source.add_argument(
+        "--input",
+        metavar="RAW.csv",
+        help="laplace: the raw data (trusted side), with --sensitive and --quasi as for publish",
+    )
     query.add_argument(
         "--sensitive",
         action="append",
         metavar="COL",
-        help="the randomized column(s) of the published file",
+        help="the randomized column(s) of the published file (laplace: of the raw data)",
     )
     query.add_argument("--queries", required=True, help="JSONL file of queries (- for stdin)")
     query.add_argument("--output", required=True, help="JSONL answers (- for stdout)")
@@ -941,8 +1700,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--clip",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="keep answers in [0, |P|]; decoy clips by default, personal does "
-        "not (its raw MLE is unbiased)",
+        help="keep answers in [0, |P|]; decoy clips by default, personal, sdr and global "
+        "do not (their raw estimates are unbiased)",
+    )
+    laplace = query.add_argument_group("laplace (answers from the raw data: trusted side)")
+    laplace.add_argument(
+        "--epsilon",
+        type=float,
+        help="laplace: privacy budget ε > 0 shared by the file's queries (required)",
+    )
+    laplace.add_argument(
+        "--quasi", action="append", metavar="COL,COL", help="laplace: public columns of --input"
+    )
+    laplace.add_argument(
+        "--bin", action="append", metavar="COL=SPEC", help="laplace: as for `splu publish`"
+    )
+    laplace.add_argument("--schema", help="laplace: as for `splu publish`")
+    laplace.add_argument(
+        "--seed",
+        type=int,
+        help="laplace: derive the noise from this seed (experiments only: anyone with the "
+        "seed can remove it; default: a fresh random key)",
     )
     query.set_defaults(run=command_query)
 
