@@ -40,7 +40,7 @@ def _csv(codes: list[int]) -> bytes:
 # CONFIG, DEBUG ...), and only the stream's own keys.
 _ACL_COMMANDS = (
     "-@all +@read +@write +@transaction -@dangerous +evalsha +eval +script|load "
-    "+script|exists +ping +hello +client|setinfo"
+    "+script|exists +ping +hello"
 )
 ROLES = ("worker", "consumer")
 

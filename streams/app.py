@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -212,7 +213,11 @@ async def durable_batches(
             handled = True
         finally:
             if not handled:
-                log.critical("a batch could not be stored; exiting before it is acked")
+                # With the traceback: a message that breaks the handler must be findable.
+                log.critical(
+                    "a batch could not be stored; exiting before it is acked",
+                    exc_info=sys.exc_info()[0] is not None,
+                )
                 os._exit(EXIT_UNSTORED)
         yield result
 
