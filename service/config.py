@@ -2,7 +2,7 @@
 
     [stream]
     name = "adult"               # topics: adult.raw, adult.published, adult.rejected, adult.reports
-    mechanism = "decoy"          # or "personal"
+    mechanism = "decoy"          # or "personal", or "windowed" (a batch mechanism per window)
     partitions = 4               # of every topic; one worker can own several
     max_wait = 30.0              # seconds a record may wait for its group
     mixing_pool = 1000           # records held back so a group's members are not published together
@@ -44,6 +44,18 @@
     release_size = 100
     merge_map = "adult.merge.toml"   # relative to this file
 
+    [windowed]                   # stream.mechanism = "windowed" (`service/windowed.py`)
+    mechanism = "anatomy"        # sdr, fprivacy, anatomy, dbr or global, run on each window
+    window = 1000                # records per window, per partition
+    max_window_wait = 60.0       # seconds after which a partial window closes
+    min_window = 100             # a partial window with fewer records is suppressed
+                                 # (default: a tenth of window)
+    gamma = 5                    # then the mechanism's options, named and defaulted as the
+                                 # `splu publish` flags: gamma (anatomy, global); rho1, rho2,
+                                 # delta (sdr); theta, beta, max_size, min_size,
+                                 # bucket_method, fake_values (fprivacy). Exact numbers may
+                                 # be written as ratios: rho1 = "1/13"
+
     [reports]                    # the consumer's periodic privacy tests (stream.report_interval)
     epsilon = 0.3                # relative error ε of the guarantees and the adversary simulation
     alpha = 10                   # counts 1..α are small: they should not be estimated within ε
@@ -70,6 +82,7 @@ import os
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +92,9 @@ from service.merge import ValueMap
 from service.prf import KEY_BYTES, ServiceKey
 from service.schema import Schema, SchemaError, read_toml
 
-MECHANISMS = ("decoy", "personal")
+MECHANISMS = ("decoy", "personal", "windowed")
+# The batch mechanisms a windowed stream runs on each window (`service/windowed.py`).
+WINDOWED_MECHANISMS = ("sdr", "fprivacy", "anatomy", "dbr", "global")
 # [redis] options naming TLS files, and the redis-py argument each becomes.
 TLS_FILES = {"ca_file": "ssl_ca_certs", "cert_file": "ssl_certfile", "key_file": "ssl_keyfile"}
 TOPIC_ROLES = ("raw", "published", "rejected", "reports")
@@ -103,6 +118,22 @@ class PersonalSettings:
     budget: str
     release_size: int
     value_map: ValueMap
+
+
+@dataclass(frozen=True)
+class WindowedSettings:
+    """A batch mechanism run on windows of the stream (`service/windowed.py`).
+
+    `options` holds the mechanism's options under the names of `splu publish`
+    (`service.cli.MECHANISM_OPTIONS`), checked, with its defaults filled in; ρ, θ and
+    β as exact Fractions.
+    """
+
+    mechanism: str
+    window: int
+    max_window_wait: float
+    min_window: int
+    options: Mapping[str, Any]
 
 
 TESTS = ("eligibility", "guarantees", "budget", "adversary", "dp_audit")
@@ -155,6 +186,7 @@ class StreamConfig:
     decoy: DecoySettings | None
     personal: PersonalSettings | None
     reports: ReportSettings
+    windowed: WindowedSettings | None = None
 
     @property
     def sensitive(self) -> list[str]:
@@ -276,7 +308,9 @@ def load_config(path: str | Path) -> StreamConfig:
 
 
 def parse_config(document: Mapping[str, Any], source: str, base: Path) -> StreamConfig:
-    known = {"stream", "key", "kafka", "redis", "decoy", "personal", "reports", "schema"}
+    known = {
+        "stream", "key", "kafka", "redis", "decoy", "personal", "windowed", "reports", "schema",
+    }  # fmt: skip
     unknown = sorted(set(document) - known)
     if unknown:
         raise ConfigError(f"{source}: unknown table [{unknown[0]}]")
@@ -349,12 +383,14 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
         raise ConfigError(f"{source}: the [schema] table is required")
     schema = Schema.from_mapping(document["schema"], source=source)
 
-    decoy = personal = None
+    decoy = personal = windowed = None
     for other in MECHANISMS:
         if other != mechanism and other in document:
             raise ConfigError(f"{source}: [{other}] is set but stream.mechanism is {mechanism!r}")
     if mechanism == "decoy":
         decoy = _decoy_settings(source, document, schema)
+    elif mechanism == "windowed":
+        windowed = _windowed_settings(source, document, schema)
     else:
         personal = _personal_settings(source, document, schema, base, settings["partitions"])
 
@@ -376,6 +412,7 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
         decoy=decoy,
         personal=personal,
         reports=reports,
+        windowed=windowed,
         **settings,
     )
 
@@ -424,7 +461,12 @@ def _report_settings(
         queries=tuple(queries),
     )
     table.finish()
-    inapplicable = {"decoy": ("budget",), "personal": ("eligibility", "guarantees")}
+    inapplicable = {
+        "decoy": ("budget",),
+        "personal": ("eligibility", "guarantees"),
+        # The consumer's privacy tests are written for decoy and personal groups.
+        "windowed": TESTS,
+    }
     for test in settings.fail_closed:
         if test in inapplicable[mechanism]:
             raise table.fail(
@@ -447,6 +489,111 @@ def _decoy_settings(source: str, document: Mapping[str, Any], schema: Schema) ->
                 f"attribute; {attribute.name!r} has {attribute.size}"
             )
     return DecoySettings(gamma, grouping)
+
+
+def _exact(table: _Reader, key: str, default: Fraction) -> Fraction:
+    """An exact number: a TOML number (read as the decimal it prints as: 0.02 is 1/50) or a
+    ratio written as a string ("1/13")."""
+    value = table.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float | str | Fraction):
+        raise table.fail(key, f'must be a number or a ratio like "1/13", got {value!r}')
+    try:
+        return Fraction(str(value).strip())
+    except (ValueError, ZeroDivisionError):
+        raise table.fail(key, f'must be a number or a ratio like "1/13", got {value!r}') from None
+
+
+def _windowed_settings(
+    source: str, document: Mapping[str, Any], schema: Schema
+) -> WindowedSettings:
+    # Late imports: the option names and defaults are those of `splu publish`, and
+    # service.cli imports this module.
+    from service.cli import COUNT_COLUMN, DEFAULTS, EXTRA_COLUMN, MECHANISM_OPTIONS
+    from service.mechanisms.fprivacy import METHODS as BUCKET_METHODS
+
+    table = _table(source, document, "windowed", required=True)
+    assert table is not None
+    mechanism = table.text("mechanism", choices=WINDOWED_MECHANISMS)
+    window = table.integer("window", 1000)
+    max_window_wait = table.number("max_window_wait", 60.0)
+    min_window = table.integer("min_window", -(-window // 10))
+    if min_window > window:
+        raise table.fail(
+            "min_window", f"must be at most windowed.window = {window}, got {min_window}"
+        )
+    chosen = MECHANISM_OPTIONS[mechanism]
+    for option in WINDOWED_MECHANISMS:
+        for other in MECHANISM_OPTIONS[option]:
+            if other not in chosen and other in table.table:
+                owners = [m for m in WINDOWED_MECHANISMS if other in MECHANISM_OPTIONS[m]]
+                raise table.fail(
+                    other, f"applies to mechanism {' or '.join(owners)}, not {mechanism}"
+                )
+    defaults = DEFAULTS[mechanism]
+    options: dict[str, Any] = {}
+    if "gamma" in chosen:
+        options["gamma"] = table.integer("gamma", defaults["gamma"], minimum=2)
+    if mechanism == "sdr":
+        for option in ("rho1", "rho2"):
+            options[option] = _exact(table, option, defaults[option])
+            if not 0 < options[option] < 1:
+                raise table.fail(option, f"must lie in (0, 1), got {options[option]}")
+        if not options["rho1"] < options["rho2"]:
+            raise table.fail(
+                "rho1", f"({options['rho1']}) must be below windowed.rho2 ({options['rho2']})"
+            )
+        options["delta"] = table.number("delta", defaults["delta"])
+        if not options["delta"] < 1:
+            raise table.fail("delta", f"must lie in (0, 1), got {options['delta']}")
+    elif mechanism == "fprivacy":
+        options["theta"] = _exact(table, "theta", defaults["theta"])
+        if not options["theta"] > 0:
+            raise table.fail("theta", f"must be positive, got {options['theta']}")
+        options["beta"] = _exact(table, "beta", defaults["beta"])
+        if not 0 <= options["beta"] <= 1:
+            raise table.fail("beta", f"must lie in [0, 1], got {options['beta']}")
+        options["max_size"] = table.integer("max_size", defaults["max_size"])
+        options["min_size"] = table.integer("min_size", defaults["min_size"])
+        if options["min_size"] > options["max_size"]:
+            raise table.fail(
+                "min_size",
+                f"must lie in 1..{options['max_size']} (windowed.max_size), "
+                f"got {options['min_size']}",
+            )
+        options["bucket_method"] = table.text(
+            "bucket_method", defaults["bucket_method"], choices=BUCKET_METHODS
+        )
+        options["fake_values"] = table.integer("fake_values", defaults["fake_values"], minimum=0)
+    table.finish()
+    if mechanism != "dbr" and len(schema.sensitive) != 1:
+        raise ConfigError(
+            f"{source}: windowed.mechanism = {mechanism!r} protects exactly one sensitive "
+            f"attribute; the schema has {len(schema.sensitive)}"
+        )
+    m = schema.sensitive[0].size
+    if mechanism == "anatomy" and m < options["gamma"]:
+        raise ConfigError(
+            f"{source}: windowed.gamma = {options['gamma']} needs {options['gamma']} values of "
+            f"{schema.sensitive[0].name!r}, which has {m}"
+        )
+    if mechanism == "global" and m <= options["gamma"]:
+        raise ConfigError(
+            f"{source}: windowed.gamma = {options['gamma']}: global randomization needs more "
+            f"than γ values of {schema.sensitive[0].name!r}, which has {m}"
+        )
+    # Names the published messages use themselves (`service/windowed.py`).
+    reserved = set()
+    if mechanism in EXTRA_COLUMN:
+        reserved = {EXTRA_COLUMN[mechanism], "kind"}
+        if mechanism != "sdr":
+            reserved.add(COUNT_COLUMN)
+    for attribute in schema.attributes:
+        if attribute.name in reserved:
+            raise ConfigError(
+                f"{source}: schema attribute {attribute.name!r}: windowed.mechanism = "
+                f"{mechanism!r} publishes a field of that name itself; rename the attribute"
+            )
+    return WindowedSettings(mechanism, window, max_window_wait, min_window, options)
 
 
 def _personal_settings(

@@ -11,6 +11,7 @@ from service.config import StreamConfig
 from streams.app import create_app
 from streams.consumer import create_consumer_app
 from streams.topics import create_topics_sync
+from streams.windowed import create_windowed_app
 
 
 def ensure_topics(config: StreamConfig) -> None:
@@ -24,7 +25,8 @@ def run_worker(config: StreamConfig, loglevel: str = "warning") -> None:
     ensure_topics(config)
     # Faust wants a data directory even with in-memory tables; nothing in it outlives us.
     with tempfile.TemporaryDirectory(prefix=f"splu-{config.name}-") as datadir:
-        app = create_app(config, key, Path(datadir))
+        build = create_windowed_app if config.mechanism == "windowed" else create_app
+        app = build(config, key, Path(datadir))
         faust.Worker(app, loglevel=loglevel, quiet=True).execute_from_commandline()
 
 

@@ -1,0 +1,188 @@
+"""The worker of a windowed stream: a batch mechanism per window (`service/windowed.py`).
+
+One Faust app per stream, like `streams/app.py`, whose pieces it reuses
+(`faust_app`, `durable_batches`, `Publisher`, `retrying`):
+
+- ``ingest`` (agent on ``<stream>.raw``) validates each batch (`WindowPreparer`:
+  rejections go to ``<stream>.rejected``) and stores it in its partition's open
+  window with one Lua call, which also closes the windows now full. Offsets are
+  acknowledged only after that call returned; while a partition buffers
+  ``buffer_cap`` records or more (open and closed windows), the agent waits.
+- ``tick`` (timer, 1 s) makes the same call without records, so a window whose
+  first record waited ``max_window_wait`` closes.
+- ``emit`` (a task) takes each owned partition's oldest closed window, runs the
+  mechanism on it off the event loop, stages its messages under fresh tokens,
+  sends them to ``<stream>.published``, and after the broker's acknowledgement
+  drops the window. A staged window is re-sent as staged, with its tokens, also
+  by whichever worker owns the partition after a crash or a rebalance.
+
+While the stream's pause flag is set (``splu:{<stream>}:paused``) nothing is
+published; records keep arriving and windows keep closing in Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from pathlib import Path
+
+import faust
+
+from service.buffer import connect
+from service.config import StreamConfig
+from service.ingest import RawMessage, Rejected
+from service.prf import ServiceKey
+from service.schema import Rejection
+from service.windowed import WindowBuffer, WindowPreparer, encode_staged, render_window
+from streams.app import (
+    TICK_INTERVAL,
+    TRANSIENT,
+    Publisher,
+    durable_batches,
+    faust_app,
+    now_ms,
+    retrying,
+)
+
+log = logging.getLogger("splu.windowed")
+
+EMIT_INTERVAL = 0.2  # seconds between looks for closed windows while none is waiting
+
+
+def create_windowed_app(config: StreamConfig, key: ServiceKey, datadir: Path) -> faust.App:
+    """The worker app for one windowed stream."""
+    assert config.windowed is not None, "a windowed stream has a [windowed] table"
+    settings = config.windowed
+    app = faust_app(config, f"splu-{config.name}", datadir)
+    raw = app.topic(
+        config.topics["raw"], partitions=config.partitions, value_serializer="raw",
+        key_serializer="raw",
+    )  # fmt: skip
+    publisher = Publisher(config.kafka_bootstrap, loop=app.loop)
+    app.add_dependency(publisher)
+    preparer = WindowPreparer(config, key)
+    buffer = WindowBuffer(connect(config), config)
+    pause_reason: list[str | None] = [None]
+
+    def assigned() -> set[int]:
+        return {
+            tp.partition for tp in app.consumer.assignment() if tp.topic == raw.get_topic_name()
+        }
+
+    async def reject(rejected: list[Rejected]) -> None:
+        await publisher.send_all(
+            config.topics["rejected"], ((r.message.key, r.payload()) for r in rejected)
+        )
+        for r in rejected:
+            where = f"{r.message.partition}/{r.message.offset}"
+            log.warning("rejected %s: %s", where, r.rejection.reason)
+
+    async def store(events: list[faust.EventT]) -> list[tuple[int, int]]:
+        """Buffer one batch and send its rejections; (partition, buffered) per partition."""
+        messages = [
+            RawMessage(e.message.partition, e.message.offset, e.message.key, e.message.value)
+            for e in events
+        ]
+        batches, rejected = preparer.prepare(messages)
+        now = now_ms()
+        outcomes = await asyncio.gather(
+            *(retrying("storing a batch", buffer.ingest, b.partition, b, now) for b in batches)
+        )
+        for batch, outcome in zip(batches, outcomes, strict=True):
+            for message, status in zip(batch.messages, outcome.statuses, strict=True):
+                if status == 2:
+                    where = f"{message.partition}/{message.offset}"
+                    reason = "record id already used with different content"
+                    rejected.append(Rejected(message, Rejection(where, None, reason)))
+        if rejected:
+            await retrying("sending rejections", reject, rejected)
+            counts = Counter(r.message.partition for r in rejected)
+            await retrying("counting rejections", buffer.count_rejected, counts)
+        return [(b.partition, o.pending) for b, o in zip(batches, outcomes, strict=True)]
+
+    @app.agent(raw)
+    async def ingest(stream: faust.StreamT) -> None:
+        async for backlog in durable_batches(stream, config, store):
+            for partition, pending in backlog:
+                while pending >= config.buffer_cap:
+                    # Backpressure: hold the consumer until windows are published.
+                    await asyncio.sleep(config.batch_wait)
+                    tick = await retrying("ticking", buffer.ingest, partition, None, now_ms())
+                    pending = tick.pending
+
+    async def publish_window(partition: int, number: int) -> None:
+        """Publish (or suppress) closed window `number`: stage, send, finish."""
+        staged = await buffer.staged(partition, number)
+        if staged is None:
+            records = await buffer.records(partition, number)
+            output = await asyncio.to_thread(
+                render_window, config.schema, settings, key, partition, number, records
+            )
+            if output.summary:
+                log.info("partition %d window %d:\n%s", partition, number, output.summary)
+            if output.reason is not None:
+                log.warning(
+                    "partition %d: window %d of %d records suppressed: %s",
+                    partition, number, output.records, output.reason,
+                )  # fmt: skip
+                await buffer.finish(partition, number, 0, 0, output.records, whole=True)
+                return
+            staged = await buffer.stage(partition, number, encode_staged(output))
+            if staged is None:
+                return  # another owner finished it meanwhile
+        else:
+            log.warning(
+                "partition %d: re-sending window %d (%d messages) with its tokens",
+                partition, number, len(staged.messages),
+            )  # fmt: skip
+        await publisher.send_all(config.topics["published"], staged.messages)
+        await buffer.finish(
+            partition, number, staged.rows, staged.side, staged.suppressed, whole=False
+        )
+
+    async def publish_round() -> bool:
+        """Publish the oldest closed window of every owned partition; False if none was
+        waiting (or publishing is paused), so the caller may sleep."""
+        try:
+            reason = await buffer.paused()
+        except TRANSIENT:
+            return False
+        if reason != pause_reason[0]:
+            if reason is None:
+                log.warning("publishing resumed")
+            else:
+                log.error("publishing paused: %s", reason)
+            pause_reason[0] = reason
+        if reason is not None:
+            return False
+        published = False
+        for partition in sorted(assigned()):
+            try:
+                number = await buffer.oldest(partition)
+                if number is not None:
+                    await publish_window(partition, number)
+                    published = True
+            except TRANSIENT as err:
+                # The window stays queued (and staged, if it got that far): the next round
+                # sends it again with the same tokens.
+                log.warning("partition %d: publication failed (%s)", partition, type(err).__name__)
+        return published
+
+    @app.task
+    async def emit() -> None:
+        """Publish windows as long as some are waiting, then look again every EMIT_INTERVAL."""
+        while True:
+            if not await publish_round():
+                await asyncio.sleep(EMIT_INTERVAL)
+
+    @app.timer(interval=TICK_INTERVAL)
+    async def tick() -> None:
+        for partition in sorted(assigned()):
+            try:
+                await buffer.ingest(partition, None, now_ms())
+            except TRANSIENT as err:
+                log.warning("partition %d: tick failed (%s)", partition, type(err).__name__)
+
+    app.splu_buffer = buffer  # type: ignore[attr-defined]
+    return app
