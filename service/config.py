@@ -78,6 +78,7 @@ Every error names the file and the offending field.
 
 from __future__ import annotations
 
+import math
 import os
 import stat
 from collections.abc import Mapping
@@ -260,11 +261,19 @@ class _Reader:
             raise self.fail(key, "is required")
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise self.fail(key, f"must be a number, got {value!r}")
-        if positive and not value > 0:
+        try:
+            number = float(value)
+        except OverflowError:
+            number = math.inf
+        if not math.isfinite(number):
+            raise self.fail(key, "must be a finite number")
+        if positive and not number > 0:
             raise self.fail(key, f"must be positive, got {value}")
-        return float(value)
+        return number
 
-    def integer(self, key: str, default: int | None = None, minimum: int = 1) -> int:
+    def integer(
+        self, key: str, default: int | None = None, minimum: int = 1, maximum: int = 10**9
+    ) -> int:
         value = self.get(key, default)
         if value is None:
             raise self.fail(key, "is required")
@@ -272,6 +281,9 @@ class _Reader:
             raise self.fail(key, f"must be an integer, got {value!r}")
         if value < minimum:
             raise self.fail(key, f"must be at least {minimum}, got {value}")
+        if value > maximum:
+            shown = f"{value:,}" if value < 10**15 else "more"
+            raise self.fail(key, f"must be at most {maximum:,}, got {shown}")
         return value
 
     def text(self, key: str, default: str | None = None, choices: tuple[str, ...] = ()) -> str:
@@ -317,7 +329,8 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
     stream = _table(source, document, "stream", required=True)
     assert stream is not None
     name = stream.text("name")
-    if not all(c.isalnum() or c in "-_." for c in name):
+    # Kafka topic names: ASCII letters, digits, '-', '_', '.', at most 249 with the suffix.
+    if not name.isascii() or len(name) > 200 or not all(c.isalnum() or c in "-_." for c in name):
         raise stream.fail("name", f"may hold letters, digits, '-', '_' and '.', got {name!r}")
     mechanism = stream.text("mechanism", choices=MECHANISMS)
     topics_table = stream.get("topics", {})
@@ -381,7 +394,10 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
 
     if "schema" not in document:
         raise ConfigError(f"{source}: the [schema] table is required")
-    schema = Schema.from_mapping(document["schema"], source=source)
+    try:
+        schema = Schema.from_mapping(document["schema"], source=source)
+    except SchemaError as err:
+        raise ConfigError(str(err)) from None
 
     decoy = personal = windowed = None
     for other in MECHANISMS:
@@ -457,7 +473,7 @@ def _report_settings(
         max_small_within=small,
         dp_epsilon=dp_epsilon,
         fail_closed=tuple(fail_closed),
-        port=table.integer("port", 6066, minimum=0),
+        port=table.integer("port", 6066, minimum=0, maximum=65535),
         queries=tuple(queries),
     )
     table.finish()
@@ -602,7 +618,10 @@ def _personal_settings(
     table = _table(source, document, "personal", required=True)
     assert table is not None
     if len(schema.sensitive) != 1:
-        raise ConfigError(f"{source}: personal groups protect exactly one sensitive attribute")
+        raise ConfigError(
+            f"{source}: schema.sensitive: personal groups protect exactly one sensitive "
+            f"attribute, got {len(schema.sensitive)}"
+        )
     attribute = schema.sensitive[0]
     retention = table.number("retention", 0.5)
     lam = table.number("lambda", 0.3)
@@ -611,18 +630,27 @@ def _personal_settings(
     release_size = table.integer("release_size", 100)
     map_path = base / table.text("merge_map")
     table.finish()
+    if attribute.size < 2:
+        raise ConfigError(
+            f"{source}: schema.sensitive.{attribute.name} needs at least 2 values for "
+            f"personal groups, got {attribute.size}"
+        )
     try:
         check_reconstruction_parameters(retention, attribute.size, lam, delta)
     except ValueError as err:
-        raise ConfigError(f"{source}: [personal] {err}") from None
-    smallest = trial_limit(1.0, retention, attribute.size, lam, delta)
+        raise ConfigError(f"{source}: personal (retention, lambda, delta): {err}") from None
+    smallest = float(trial_limit(1.0, retention, attribute.size, lam, delta))
     if budget != "none" and smallest < partitions:
         # Each partition grants a group s_g / partitions trials, at least one.
         raise ConfigError(
-            f"{source}: [personal] a group may hold {smallest:.1f} trials, fewer than "
-            f"stream.partitions = {partitions}: lower p or λ, raise δ, or use fewer partitions"
+            f"{source}: personal.lambda: a group may hold {smallest:.1f} trials, fewer than "
+            f"stream.partitions = {partitions}: lower retention or lambda, raise delta, or "
+            f"use fewer partitions"
         )
-    value_map = ValueMap.load(map_path)
+    try:
+        value_map = ValueMap.load(map_path)
+    except SchemaError as err:
+        raise ConfigError(f"{source}: personal.merge_map: {err}") from None
     if value_map.sensitive != attribute.name:
         raise ConfigError(
             f"{source}: personal.merge_map was fitted for {value_map.sensitive!r}, "
