@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench
+.PHONY: demo test bench evaluation
 
 demo: $(STAMP)
 	$(VENV)/bin/splu demo
@@ -19,6 +19,10 @@ bench: $(STAMP)
 	$(VENV)/bin/python bench/decoy_accuracy.py
 	$(VENV)/bin/python bench/personal_accuracy.py
 	$(VENV)/bin/python bench/query_latency.py
+
+# docs/evaluation.md and docs/evaluation/ (CSVs, PNGs): every mechanism, fixed seeds.
+evaluation: $(STAMP)
+	$(VENV)/bin/python -m bench.experiments
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -1,0 +1,5 @@
+"""`python -m bench.experiments`: see bench/experiments/run.py."""
+
+from bench.experiments.run import main
+
+main()
