@@ -3,6 +3,7 @@ producer rows and topic readers; shared by the stream and consumer tests."""
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import itertools
 import json
@@ -15,7 +16,9 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 import tomli_w
-from aiokafka import AIOKafkaConsumer
+from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
+from aiokafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssignor
+from aiokafka.errors import KafkaError
 
 from deploy.embedded import free_port, spawn_consumer, spawn_worker
 from service.buffer import BufferState
@@ -117,6 +120,131 @@ class Harness:
         finally:
             await consumer.stop()
         return seen
+
+    async def entries(self, client: aioredis.Redis) -> list[tuple[int, str | None, bytes]]:
+        """(partition, token or None if pooled, entry) of every record in a pool or in flight;
+        an entry is "public codes|published codes|audit|arrival|id"."""
+        out: list[tuple[int, str | None, bytes]] = []
+        for partition in range(self.config.partitions):
+            prefix = BufferState(client, self.config).prefix(partition)
+            async with client.pipeline(transaction=True) as pipe:
+                pipe.zrange(f"{prefix}:pool", 0, -1)
+                pipe.hgetall(f"{prefix}:inflight")
+                pool, in_flight = await pipe.execute()
+            out += [(partition, None, entry) for entry in pool]
+            out += [(partition, token.decode(), entry) for token, entry in in_flight.items()]
+        return out
+
+    async def read_all(self, topic: str, timeout: float = 60.0) -> list[ConsumerRecord]:
+        """Every message of a topic, duplicates included: read past the end offsets the
+        broker reports (tansu's can fall short by its last batch) until a second passes
+        with nothing new."""
+        consumer = AIOKafkaConsumer(
+            bootstrap_servers=self.config.kafka_bootstrap, enable_auto_commit=False,
+            auto_offset_reset="earliest",
+        )  # fmt: skip
+        await consumer.start()
+        messages: list[ConsumerRecord] = []
+        try:
+            partitions = [TopicPartition(topic, p) for p in range(self.config.partitions)]
+            consumer.assign(partitions)
+            await consumer.seek_to_beginning(*partitions)
+            end = await consumer.end_offsets(partitions)
+            deadline = time.monotonic() + timeout
+            quiet_since = time.monotonic()
+            while [
+                tp for tp in partitions if await consumer.position(tp) < end[tp]
+            ] or time.monotonic() - quiet_since < 1.0:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{topic}: read {len(messages)}, ends at least {end}")
+                for batch in (await consumer.getmany(*partitions, timeout_ms=200)).values():
+                    if batch:
+                        messages += batch
+                        quiet_since = time.monotonic()
+        finally:
+            await consumer.stop()
+        return messages
+
+    async def committed_offsets(self, topic: str, group: str) -> dict[int, int | None]:
+        """The offsets consumer group `group` committed on each partition of `topic`."""
+        consumer = AIOKafkaConsumer(
+            bootstrap_servers=self.config.kafka_bootstrap, group_id=group,
+            enable_auto_commit=False,
+        )  # fmt: skip
+        await consumer.start()
+        try:
+            partitions = [TopicPartition(topic, p) for p in range(self.config.partitions)]
+            return {tp.partition: await consumer.committed(tp) for tp in partitions}
+        finally:
+            await consumer.stop()
+
+    async def commit_offsets(
+        self, topic: str, group: str, offset: int, timeout: float = 30.0
+    ) -> dict[int, int | None]:
+        """Commit `offset` on every partition of `topic` for consumer group `group`, as a
+        standalone consumer; returns the committed offsets. The group must have no live
+        member: a stopped one may hold on until its session times out, so this retries."""
+        consumer = AIOKafkaConsumer(
+            bootstrap_servers=self.config.kafka_bootstrap, group_id=group,
+            enable_auto_commit=False,
+        )  # fmt: skip
+        await consumer.start()
+        deadline = time.monotonic() + timeout
+        try:
+            partitions = [TopicPartition(topic, p) for p in range(self.config.partitions)]
+            consumer.assign(partitions)
+            while True:
+                try:
+                    await consumer.commit(dict.fromkeys(partitions, offset))
+                    break
+                except KafkaError:
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.5)
+            return {tp.partition: await consumer.committed(tp) for tp in partitions}
+        finally:
+            await consumer.stop()
+
+    async def rewind(
+        self, topic: str, group: str, offset: int = 0, timeout: float = 60.0
+    ) -> tuple[str, dict[int, int | None]]:
+        """Commit `offset` for the stopped consumer group `group` on every partition of
+        `topic`; returns how, and the committed offsets.
+
+        A standalone commit (assign() and commit()) works once the group is empty, but
+        tansu may keep a stopped Faust member and refuse it (UNKNOWN_MEMBER_ID). Then this
+        joins the group under the name of Faust's assignor (a join must share the stale
+        member's protocol), which waits the stale member out, and commits as the group's
+        only member.
+        """
+        try:
+            return "standalone", await self.commit_offsets(topic, group, offset, timeout=2.0)
+        except KafkaError:
+            pass
+        consumer = AIOKafkaConsumer(
+            topic, bootstrap_servers=self.config.kafka_bootstrap, group_id=group,
+            enable_auto_commit=False, session_timeout_ms=6000, heartbeat_interval_ms=1000,
+            max_poll_interval_ms=3000, rebalance_timeout_ms=3000,
+            partition_assignment_strategy=(FaustNamedAssignor,),
+        )  # fmt: skip
+        await consumer.start()
+        deadline = time.monotonic() + timeout
+        try:
+            while len(consumer.assignment()) < self.config.partitions:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"could not join {group} to rewind {topic}")
+                await asyncio.sleep(0.1)
+            partitions = sorted(consumer.assignment())
+            await consumer.commit(dict.fromkeys(partitions, offset))
+            return "as a member", {tp.partition: await consumer.committed(tp) for tp in partitions}
+        finally:
+            await consumer.stop()
+
+
+class FaustNamedAssignor(RoundRobinPartitionAssignor):
+    """Round robin under the protocol name Faust's workers join with."""
+
+    name = "faust"
 
 
 def adult_rows(config: StreamConfig) -> list[tuple[bytes, bytes]]:
