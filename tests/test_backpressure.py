@@ -37,8 +37,8 @@ from streams.app import TICK_INTERVAL
 from streams.produce import produce
 from streams.topics import create_topics
 
-# Talks to a Redis-protocol server: .ci/run repeats these against Debian's redis-server.
-pytestmark = pytest.mark.redis
+# Whole stream processes on the embedded servers; run once, not again on Debian's Redis.
+pytestmark = pytest.mark.stream
 
 BUFFER_CAP = 1000  # pending records per partition before ingest pauses
 PARTITIONS = 2

@@ -28,7 +28,8 @@ from streams import client
 from streams.produce import produce
 from streams.topics import create_topics
 
-pytestmark = pytest.mark.redis
+# Whole stream processes on the embedded servers; run once, not again on Debian's Redis.
+pytestmark = pytest.mark.stream
 
 TESTS = {"decoy": {"eligibility", "guarantees", "adversary"}, "personal": {"budget", "adversary"}}
 BATCH_OPTIONS = {

@@ -52,7 +52,8 @@ from streams import client as consumer_client
 from streams.produce import produce
 from streams.topics import create_topics
 
-pytestmark = pytest.mark.redis
+# Whole stream processes on the embedded servers; run once, not again on Debian's Redis.
+pytestmark = pytest.mark.stream
 
 RATE = 4000  # records per second from the producer
 WARM_UP = 100  # records sent before the first worker is seen consuming

@@ -768,7 +768,7 @@ def seeded_bad_messages(
     return out
 
 
-@pytest.mark.redis
+@pytest.mark.stream
 def test_a_worker_rejects_fuzzed_messages_and_publishes_the_good_ones(servers, tmp_path):
     harness = Harness(servers, tmp_path, "adult-decoy.toml")
     config = harness.config

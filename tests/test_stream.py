@@ -24,8 +24,8 @@ from deploy.embedded import RedisServer
 from streams.produce import produce
 from streams.topics import create_topics
 
-# Talks to a Redis-protocol server: .ci/run repeats these against Debian's redis-server.
-pytestmark = pytest.mark.redis
+# Whole stream processes on the embedded servers; run once, not again on Debian's Redis.
+pytestmark = pytest.mark.stream
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -142,6 +142,7 @@ def test_stream_end_to_end_with_kills_and_replay(servers, tmp_path, example):
         harness.worker.stop()
 
 
+@pytest.mark.redis
 def test_a_redis_outage_loses_nothing(servers, tmp_path):
     """Redis dies mid-stream and comes back from its append-only file: the worker waits,
     commits no offset for a batch Redis does not hold, and every record arrives."""
