@@ -31,10 +31,13 @@ local bounds = {100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 120000}
 local in_bucket, total_ms = {}, 0
 -- ZRANDMEMBER returns the whole set, or any small one, in score order: the order the
 -- records entered the pool, which would publish a group's members side by side.
--- Shuffle (Fisher-Yates) with uniforms from this call's random seed.
+-- Shuffle (Fisher-Yates) with a linear congruential stream seeded from this call's
+-- secret random seed: one SHA-1 per take instead of one per record.
 local members = redis.call('ZRANDMEMBER', k_pool, count)
+local state = tonumber(string.sub(redis.sha1hex(ARGV[5] .. ':shuffle'), 1, 8), 16)
 for j = #members, 2, -1 do
-  local k = tonumber(string.sub(redis.sha1hex(ARGV[5] .. ':shuffle:' .. j), 1, 12), 16) % j + 1
+  state = (1664525 * state + 1013904223) % 4294967296
+  local k = math.floor(state / 4294967296 * j) + 1
   members[j], members[k] = members[k], members[j]
 end
 local lines = {}
