@@ -32,7 +32,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import faust
 from aiokafka import AIOKafkaProducer
@@ -43,7 +43,7 @@ from faust.types import TP, EventT, Message, StreamT
 from mode import Service
 from redis.exceptions import RedisError
 
-from service.buffer import StreamBuffer, connect
+from service.buffer import BufferState, StreamBuffer, connect
 from service.config import StreamConfig
 from service.ingest import Preparer, RawMessage, Rejected
 from service.prf import ServiceKey
@@ -222,33 +222,46 @@ async def durable_batches(
         yield result
 
 
-def create_app(config: StreamConfig, key: ServiceKey, datadir: Path) -> faust.App:
-    """The worker app for one stream."""
-    app = faust_app(config, f"splu-{config.name}", datadir)
-    raw = app.topic(
-        config.topics["raw"], partitions=config.partitions, value_serializer="raw",
-        key_serializer="raw",
-    )  # fmt: skip
-    publisher = Publisher(config.kafka_bootstrap, loop=app.loop)
-    app.add_dependency(publisher)
-    preparer = Preparer(config, key)
-    client = connect(config)
-    buffer = StreamBuffer(client, config, key)
-    owned: set[int] = set()
-    resend: set[int] = set()
-    # A failed privacy test configured to fail closed holds every record in Redis.
-    pause_reason: list[str | None] = [None]
+def assigned_partitions(app: faust.App, raw: faust.TopicT) -> set[int]:
+    """The raw partitions this worker owns now."""
+    return {tp.partition for tp in app.consumer.assignment() if tp.topic == raw.get_topic_name()}
 
-    def assigned() -> set[int]:
-        return {
-            tp.partition for tp in app.consumer.assignment() if tp.topic == raw.get_topic_name()
-        }
 
-    @app.on_partitions_assigned.connect
-    async def on_assigned(sender: object, assigned: set, **kwargs: object) -> None:
-        for tp in assigned:
-            if tp.topic == raw.get_topic_name() and tp.partition not in owned:
-                resend.add(tp.partition)
+class PauseWatch:
+    """Whether a failed privacy test holds publication (fail closed); logs each change once.
+
+    While held, records keep arriving and wait in Redis.
+    """
+
+    def __init__(self, buffer: BufferState) -> None:
+        self.buffer = buffer
+        self.reason: str | None = None
+
+    async def holding(self) -> bool:
+        try:
+            reason = await self.buffer.paused()
+        except TRANSIENT:
+            return True
+        if reason != self.reason:
+            if reason is None:
+                log.warning("publishing resumed")
+            else:
+                log.error("publishing paused: %s", reason)
+            self.reason = reason
+        return reason is not None
+
+
+def add_ingest(
+    app: faust.App,
+    raw: faust.TopicT,
+    config: StreamConfig,
+    preparer: Preparer,
+    buffer: Any,
+    publisher: Publisher,
+) -> None:
+    """The ingest agent every worker shares: validate a batch, store it idempotently in one
+    Lua call per partition (`buffer.ingest`), send rejections, and hold the consumer while a
+    partition's buffer is at its cap."""
 
     async def reject(rejected: list[Rejected]) -> None:
         await publisher.send_all(
@@ -286,10 +299,38 @@ def create_app(config: StreamConfig, key: ServiceKey, datadir: Path) -> faust.Ap
         async for backlog in durable_batches(stream, config, store):
             for partition, pending in backlog:
                 while pending >= config.buffer_cap:
-                    # Backpressure: hold the consumer until time frees room in this buffer.
+                    # Backpressure: hold the consumer until time or publication frees room.
                     await asyncio.sleep(config.batch_wait)
                     tick = await retrying("ticking", buffer.ingest, partition, None, now_ms())
                     pending = tick.pending
+
+
+def create_app(config: StreamConfig, key: ServiceKey, datadir: Path) -> faust.App:
+    """The worker app for one stream."""
+    app = faust_app(config, f"splu-{config.name}", datadir)
+    raw = app.topic(
+        config.topics["raw"], partitions=config.partitions, value_serializer="raw",
+        key_serializer="raw",
+    )  # fmt: skip
+    publisher = Publisher(config.kafka_bootstrap, loop=app.loop)
+    app.add_dependency(publisher)
+    preparer = Preparer(config, key)
+    client = connect(config)
+    buffer = StreamBuffer(client, config, key)
+    owned: set[int] = set()
+    resend: set[int] = set()
+    pause = PauseWatch(buffer)
+
+    def assigned() -> set[int]:
+        return assigned_partitions(app, raw)
+
+    @app.on_partitions_assigned.connect
+    async def on_assigned(sender: object, assigned: set, **kwargs: object) -> None:
+        for tp in assigned:
+            if tp.topic == raw.get_topic_name() and tp.partition not in owned:
+                resend.add(tp.partition)
+
+    add_ingest(app, raw, config, preparer, buffer, publisher)
 
     async def publish(partition: int, items: list[tuple[str, bytes]]) -> None:
         await publisher.send_all(
@@ -300,17 +341,7 @@ def create_app(config: StreamConfig, key: ServiceKey, datadir: Path) -> faust.Ap
 
     @app.timer(interval=EMIT_INTERVAL)
     async def emit() -> None:
-        try:
-            reason = await buffer.paused()
-        except TRANSIENT:
-            return
-        if reason != pause_reason[0]:
-            if reason is None:
-                log.warning("publishing resumed")
-            else:
-                log.error("publishing paused: %s", reason)
-            pause_reason[0] = reason
-        if reason is not None:
+        if await pause.holding():
             return
         current = assigned()
         owned.intersection_update(current)

@@ -24,25 +24,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
 from pathlib import Path
 
 import faust
 
 from service.buffer import connect
 from service.config import StreamConfig
-from service.ingest import RawMessage, Rejected
 from service.prf import ServiceKey
-from service.schema import Rejection
 from service.windowed import WindowBuffer, WindowPreparer, encode_staged, render_window
 from streams.app import (
     TICK_INTERVAL,
     TRANSIENT,
+    PauseWatch,
     Publisher,
-    durable_batches,
+    add_ingest,
+    assigned_partitions,
     faust_app,
     now_ms,
-    retrying,
 )
 
 log = logging.getLogger("splu.windowed")
@@ -63,53 +61,12 @@ def create_windowed_app(config: StreamConfig, key: ServiceKey, datadir: Path) ->
     app.add_dependency(publisher)
     preparer = WindowPreparer(config, key)
     buffer = WindowBuffer(connect(config), config)
-    pause_reason: list[str | None] = [None]
+    pause = PauseWatch(buffer)
 
     def assigned() -> set[int]:
-        return {
-            tp.partition for tp in app.consumer.assignment() if tp.topic == raw.get_topic_name()
-        }
+        return assigned_partitions(app, raw)
 
-    async def reject(rejected: list[Rejected]) -> None:
-        await publisher.send_all(
-            config.topics["rejected"], ((r.message.key, r.payload()) for r in rejected)
-        )
-        for r in rejected:
-            where = f"{r.message.partition}/{r.message.offset}"
-            log.warning("rejected %s: %s", where, r.rejection.reason)
-
-    async def store(events: list[faust.EventT]) -> list[tuple[int, int]]:
-        """Buffer one batch and send its rejections; (partition, buffered) per partition."""
-        messages = [
-            RawMessage(e.message.partition, e.message.offset, e.message.key, e.message.value)
-            for e in events
-        ]
-        batches, rejected = preparer.prepare(messages)
-        now = now_ms()
-        outcomes = await asyncio.gather(
-            *(retrying("storing a batch", buffer.ingest, b.partition, b, now) for b in batches)
-        )
-        for batch, outcome in zip(batches, outcomes, strict=True):
-            for message, status in zip(batch.messages, outcome.statuses, strict=True):
-                if status == 2:
-                    where = f"{message.partition}/{message.offset}"
-                    reason = "record id already used with different content"
-                    rejected.append(Rejected(message, Rejection(where, None, reason)))
-        if rejected:
-            await retrying("sending rejections", reject, rejected)
-            counts = Counter(r.message.partition for r in rejected)
-            await retrying("counting rejections", buffer.count_rejected, counts)
-        return [(b.partition, o.pending) for b, o in zip(batches, outcomes, strict=True)]
-
-    @app.agent(raw)
-    async def ingest(stream: faust.StreamT) -> None:
-        async for backlog in durable_batches(stream, config, store):
-            for partition, pending in backlog:
-                while pending >= config.buffer_cap:
-                    # Backpressure: hold the consumer until windows are published.
-                    await asyncio.sleep(config.batch_wait)
-                    tick = await retrying("ticking", buffer.ingest, partition, None, now_ms())
-                    pending = tick.pending
+    add_ingest(app, raw, config, preparer, buffer, publisher)
 
     async def publish_window(partition: int, number: int) -> None:
         """Publish (or suppress) closed window `number`: stage, send, finish."""
@@ -144,17 +101,7 @@ def create_windowed_app(config: StreamConfig, key: ServiceKey, datadir: Path) ->
     async def publish_round() -> bool:
         """Publish the oldest closed window of every owned partition; False if none was
         waiting (or publishing is paused), so the caller may sleep."""
-        try:
-            reason = await buffer.paused()
-        except TRANSIENT:
-            return False
-        if reason != pause_reason[0]:
-            if reason is None:
-                log.warning("publishing resumed")
-            else:
-                log.error("publishing paused: %s", reason)
-            pause_reason[0] = reason
-        if reason is not None:
+        if await pause.holding():
             return False
         published = False
         for partition in sorted(assigned()):
