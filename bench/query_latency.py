@@ -69,7 +69,7 @@ import numpy as np
 import tomli_w
 from aiokafka import AIOKafkaProducer
 from aiokafka.producer.message_accumulator import BatchBuilder
-from report import log, print_table
+from report import Result, log, print_table
 
 from deploy.embedded import EmbeddedServers, ManagedProcess, free_port, spawn_consumer
 from service.buffer import connect
@@ -97,35 +97,6 @@ COMPARED = ("estimate", "low", "high", "published", "rows")
 SHOWN_MISMATCHES = 5
 REBUILDS = 3  # timed rebuilds of the consumer's reconstruction; the median is shown
 PROGRESS_EVERY = 5.0  # seconds between progress lines when stderr is not a terminal
-
-
-@dataclass(frozen=True)
-class Result:
-    """One line of the summary; a result without a target is shown for context only."""
-
-    metric: str
-    value: float
-    unit: str
-    spec: str = ",.0f"
-    target: float | None = None
-    at_least: bool = False  # the target is a floor (≥) rather than a ceiling (≤)
-
-    def met(self) -> bool:
-        assert self.target is not None
-        return self.value >= self.target if self.at_least else self.value <= self.target
-
-    def cells(self) -> list[str]:
-        measured = f"{self.value:{self.spec}} {self.unit}".rstrip()
-        if self.target is None:
-            return [self.metric, measured, "—", "—", "—"]
-        bound = "≥" if self.at_least else "≤"
-        return [
-            self.metric,
-            measured,
-            f"{bound} {self.target:{self.spec}} {self.unit}".rstrip(),
-            f"{self.value / self.target:.2f}",
-            "yes" if self.met() else "NO",
-        ]
 
 
 @dataclass(frozen=True)

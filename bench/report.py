@@ -6,6 +6,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 # Random query draws allowed per query wanted, so an impossible filter fails instead of spinning.
 DRAW_LIMIT = 1000
@@ -41,3 +42,32 @@ def median_seconds(run: Callable[[], object], repeats: int, label: str) -> float
         times.append(time.perf_counter() - started)
         log(f"  {label}: run {attempt}/{repeats}: {times[-1]:.3f} s")
     return statistics.median(times)
+
+
+@dataclass(frozen=True)
+class Result:
+    """One line of the summary; a result without a target is shown for context only."""
+
+    metric: str
+    value: float
+    unit: str
+    spec: str = ",.0f"
+    target: float | None = None
+    at_least: bool = False  # the target is a floor (≥) rather than a ceiling (≤)
+
+    def met(self) -> bool:
+        assert self.target is not None
+        return self.value >= self.target if self.at_least else self.value <= self.target
+
+    def cells(self) -> list[str]:
+        measured = f"{self.value:{self.spec}} {self.unit}".rstrip()
+        if self.target is None:
+            return [self.metric, measured, "—", "—", "—"]
+        bound = "≥" if self.at_least else "≤"
+        return [
+            self.metric,
+            measured,
+            f"{bound} {self.target:{self.spec}} {self.unit}".rstrip(),
+            f"{self.value / self.target:.2f}",
+            "yes" if self.met() else "NO",
+        ]

@@ -76,7 +76,7 @@ import redis.asyncio as aioredis
 import tomli_w
 from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import ConsumerRecord
-from report import log, print_table
+from report import Result, log, print_table
 
 from deploy.embedded import EmbeddedServers, spawn, spawn_worker
 from service.buffer import StreamBuffer
@@ -139,35 +139,6 @@ class Memory:
     records: int
     used_bytes: int  # used_memory growth
     by_key: dict[str, int]  # MEMORY USAGE summed per key family
-
-
-@dataclass(frozen=True)
-class Result:
-    """One line of the summary; a result without a target is shown for context only."""
-
-    metric: str
-    value: float
-    unit: str
-    spec: str = ",.0f"
-    target: float | None = None
-    at_least: bool = False  # the target is a floor (≥) rather than a ceiling (≤)
-
-    def met(self) -> bool:
-        assert self.target is not None
-        return self.value >= self.target if self.at_least else self.value <= self.target
-
-    def cells(self) -> list[str]:
-        measured = f"{self.value:{self.spec}} {self.unit}".rstrip()
-        if self.target is None:
-            return [self.metric, measured, "—", "—", "—"]
-        bound = "≥" if self.at_least else "≤"
-        return [
-            self.metric,
-            measured,
-            f"{bound} {self.target:{self.spec}} {self.unit}".rstrip(),
-            f"{self.value / self.target:.2f}",
-            "yes" if self.met() else "NO",
-        ]
 
 
 def adult_rows() -> list[dict[str, str]]:
