@@ -109,7 +109,14 @@ from aiokafka.errors import KafkaError
 from report import log, print_table
 from stream_throughput import adult_rows, log_tail, resample, stream_document, wait_until_owned
 
-from deploy.embedded import EmbeddedServers, ManagedProcess, free_port, spawn_consumer, spawn_worker
+from deploy.embedded import (
+    EmbeddedServers,
+    ManagedProcess,
+    free_port,
+    spawn_consumer,
+    spawn_worker,
+    stream_env,
+)
 from service.buffer import BufferState
 from service.config import StreamConfig, load_config
 from service.metrics import histogram_quantile
@@ -629,16 +636,7 @@ def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="splu-soak-") as directory:
         work = Path(directory)
         with EmbeddedServers(work / "servers") as servers:
-            env = {
-                **os.environ,
-                "SPLU_SERVICE_KEY": secrets.token_hex(32),
-                "KAFKA_BOOTSTRAP": servers.kafka_bootstrap,
-                "REDIS_URL": servers.redis_url,
-            }
-            # load_config and service_key in this process read the same variables as workers.
-            os.environ.update(
-                {k: env[k] for k in ("SPLU_SERVICE_KEY", "KAFKA_BOOTSTRAP", "REDIS_URL")}
-            )
+            env = stream_env(servers)
             name = f"soak-{secrets.token_hex(3)}"
             document = stream_document(
                 name, servers.kafka_bootstrap, servers.redis_url, args.partitions, args.max_wait

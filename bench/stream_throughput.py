@@ -57,8 +57,6 @@ import argparse
 import asyncio
 import csv
 import json
-import os
-import secrets
 import sys
 import tempfile
 import time
@@ -78,7 +76,7 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import ConsumerRecord
 from report import Result, log, print_table
 
-from deploy.embedded import EmbeddedServers, spawn, spawn_worker
+from deploy.embedded import EmbeddedServers, spawn, spawn_worker, stream_env
 from service.buffer import StreamBuffer
 from service.config import StreamConfig, load_config, parse_config
 from service.ingest import Preparer, RawMessage
@@ -548,16 +546,7 @@ def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="splu-bench-") as directory:
         work = Path(directory)
         with EmbeddedServers(work / "servers") as servers:
-            env = {
-                **os.environ,
-                "SPLU_SERVICE_KEY": secrets.token_hex(32),
-                "KAFKA_BOOTSTRAP": servers.kafka_bootstrap,
-                "REDIS_URL": servers.redis_url,
-            }
-            # load_config and service_key in this process read the same variables as workers.
-            os.environ.update(
-                {k: env[k] for k in ("SPLU_SERVICE_KEY", "KAFKA_BOOTSTRAP", "REDIS_URL")}
-            )
+            env = stream_env(servers)
 
             def config(name: str, max_wait: float = args.max_wait) -> dict[str, Any]:
                 return stream_document(

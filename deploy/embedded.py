@@ -19,6 +19,7 @@ import atexit
 import ctypes
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -269,6 +270,21 @@ def spawn(
     process = ManagedProcess(command, env, log_path)
     process.start()
     return process
+
+
+def stream_env(servers: Endpoints) -> dict[str, str]:
+    """The environment of a stream's processes on these servers, with a fresh service key.
+
+    Also exported into this process, so that load_config and service_key here read what
+    the workers read.
+    """
+    env = {
+        "SPLU_SERVICE_KEY": secrets.token_hex(32),
+        "KAFKA_BOOTSTRAP": servers.kafka_bootstrap,
+        "REDIS_URL": servers.redis_url,
+    }
+    os.environ.update(env)
+    return dict(os.environ)
 
 
 def spawn_worker(

@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import csv
 import json
-import os
-import secrets
 import signal
 import sys
 import tempfile
@@ -27,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import tomli_w
 
-from deploy.embedded import EmbeddedServers, free_port, spawn_consumer, spawn_worker
+from deploy.embedded import EmbeddedServers, free_port, spawn_consumer, spawn_worker, stream_env
 from service.buffer import BufferState, connect
 from service.config import StreamConfig, load_config
 from service.reconstruct import DecoyReconstruction, PublishedCells, Query
@@ -68,15 +66,7 @@ def run_demo(
         work = Path(directory)
         with EmbeddedServers(work / "servers") as servers:
             config_path = _write_config(mechanism, work, servers.kafka_bootstrap, servers.redis_url)
-            env = {
-                **os.environ,
-                "SPLU_SERVICE_KEY": secrets.token_hex(32),
-                "KAFKA_BOOTSTRAP": servers.kafka_bootstrap,
-                "REDIS_URL": servers.redis_url,
-            }
-            os.environ.update(
-                {k: env[k] for k in ("SPLU_SERVICE_KEY", "KAFKA_BOOTSTRAP", "REDIS_URL")}
-            )
+            env = stream_env(servers)
             config = load_config(config_path)
             url = f"http://127.0.0.1:{port or free_port()}"
             print(
