@@ -8,15 +8,24 @@ keys and every step below is a single atomic Lua call (scripts in
 - ``ingest``: store a batch idempotently and cut/release every group it
   allows, randomizing members and handing them to the mixing pool; records
   that waited past ``max_wait`` are suppressed (decoy) or released (personal);
-- ``take``: move random records from the mixing pool to the in-flight hash
-  under fresh tokens, for publication;
-- ``acknowledge``: drop tokens the broker acknowledged. Whatever is still in
-  flight after a crash is re-sent with the same tokens.
+- ``take``: move records from the mixing pool to the in-flight hash under
+  fresh tokens, for publication, by the mixing rule of ``emit.lua``: only the
+  excess over the pool's floor, drawn uniformly and shuffled from 128 fresh
+  bits of OS randomness per take; a quiet pool leaves whole only if it holds at
+  least the floor;
+- ``acknowledge``: drop tokens the broker acknowledged, and count them, with
+  their true values, into the truth tally of the adversary test (kept for one
+  to two ``reports.truth_retention`` periods). Whatever is still in flight after
+  a crash is re-sent with the same tokens.
+
+What the consumer (the web-facing process) may read is `BufferState`: counters,
+gauges and aggregates, never a record; `acl_rules` enforces it in Redis.
 """
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 
@@ -25,10 +34,13 @@ import redis.asyncio as aioredis
 from service.config import StreamConfig
 from service.guarantees import trial_limit
 from service.ingest import PreparedBatch
+from service.metrics import DELAY_BOUNDS_MS
 from service.prf import ServiceKey
 
 # Tokens per acknowledgement call: Lua's unpack() has a stack limit of a few thousand.
 _ACK_CHUNK = 1000
+# Fresh OS randomness behind each take's shuffle and tokens: 128 bits, beyond any search.
+SHUFFLE_SEED_BYTES = 16
 
 
 def _csv(codes: list[int]) -> bytes:
@@ -37,12 +49,16 @@ def _csv(codes: list[int]) -> bytes:
 
 # What each process does in Redis, as ACL rules: data commands only (the Lua steps run
 # with the caller's permissions), scripts by hash, nothing dangerous (KEYS, FLUSHALL,
-# CONFIG, DEBUG ...), and only the stream's own keys.
+# CONFIG, DEBUG, MONITOR, SLOWLOG ...), and only the stream's own keys.
 _ACL_COMMANDS = (
     "-@all +@read +@write +@transaction -@dangerous +evalsha +eval +script|load "
     "+script|exists +ping +hello"
 )
 ROLES = ("worker", "consumer")
+# Keys of a partition the consumer may read: counters and gauges, suppression and delay
+# histograms, the truth and published tallies of the adversary test, personal group
+# aggregates. Never records, buckets, the pool, in-flight entries or fingerprints.
+CONSUMER_READS = ("stats", "waiting", "sup", "delay", "truth:*", "shown:*", "gstat")
 
 
 def acl_rules(config: StreamConfig, role: str) -> str:
@@ -50,10 +66,13 @@ def acl_rules(config: StreamConfig, role: str) -> str:
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
     stream = config.name
-    keys = f"~splu:{{{stream}:* ~splu:{{{stream}}}:*"
-    # The consumer also reads the server's memory use and scans personal group state.
-    extra = " +info +scan" if role == "consumer" else ""
-    return f"reset on resetchannels {keys} {_ACL_COMMANDS}{extra}"
+    if role == "worker":
+        return f"reset on resetchannels ~splu:{{{stream}:* ~splu:{{{stream}}}:* {_ACL_COMMANDS}"
+    reads = " ".join(f"%R~splu:{{{stream}:*}}:{key}" for key in CONSUMER_READS)
+    # Its own counts, the pause flag it raises, and the server's memory use (INFO); no
+    # SCAN, whose key names would show which groups and holes a partition has.
+    own = f"~splu:{{{stream}:consumer}}:* ~splu:{{{stream}}}:paused"
+    return f"reset on resetchannels {reads} {own} {_ACL_COMMANDS} +info -scan"
 
 
 def connect(config: StreamConfig) -> aioredis.Redis:
@@ -66,6 +85,10 @@ def lua_script(*names: str) -> str:
     return "".join(scripts.joinpath(f"{name}.lua").read_text() for name in names)
 
 
+def _lua_list(values: tuple[int, ...]) -> str:
+    return "{" + ", ".join(map(str, values)) + "}"
+
+
 @dataclass(frozen=True)
 class IngestOutcome:
     """Per record: 0 stored, 1 redelivered (ignored), 2 id reused with other content."""
@@ -75,12 +98,38 @@ class IngestOutcome:
     pool: int
 
 
-class BufferState:
-    """What the consumer and operators may read of a stream's buffers: counters,
-    the delay histogram, suppression, personal group state and the truth tally.
+@dataclass(frozen=True)
+class PoolEntry:
+    """A record in a mixing pool or in flight: "public|published|audit|true|arrival|id".
 
-    Needs no service key; nothing here changes what gets published, except the
-    stream-wide pause flag a failed privacy test raises (fail closed).
+    Only `public` and `published` (codes, comma-separated) are ever published. The
+    audit is a decoy record's group number and values per attribute
+    ("number:v1,v2,...", ";" between attributes) or a personal record's kind (t trial,
+    c copy, b borrowed copy); `true` holds its true sensitive codes, counted into the
+    truth tally when the broker acknowledges it; `arrival` (ms) feeds the delay
+    histogram.
+    """
+
+    public: bytes
+    published: bytes
+    audit: bytes
+    true: bytes
+    arrival: int
+    id: bytes
+
+    @classmethod
+    def parse(cls, entry: bytes) -> PoolEntry:
+        public, published, audit, true, arrival, record_id = entry.split(b"|")
+        return cls(public, published, audit, true, int(arrival), record_id)
+
+
+class BufferState:
+    """What the consumer and operators may read of a stream's buffers: counters, gauges,
+    the delay histogram, suppression, personal group aggregates and the truth tally.
+
+    Needs no service key and reads no record (`CONSUMER_READS`); nothing here changes
+    what gets published, except the stream-wide pause flag a failed privacy test raises
+    (fail closed).
     """
 
     def __init__(self, client: aioredis.Redis, config: StreamConfig) -> None:
@@ -107,20 +156,28 @@ class BufferState:
             await self.client.set(self.pause_key, reason)
 
     async def stats(self, partition: int) -> dict[str, int]:
-        """Counters of one partition plus its current pending and pool sizes."""
+        """Counters and gauges of one partition: `pending` (records waiting for a group or
+        release, of which `held` wait for a group-mate), `pool`, `in_flight`, `expired`,
+        and `below_floor`: the pool while it holds fewer than `stream.mixing_pool` records,
+        which the mixing rule never releases alone (they wait for more records), and
+        `settled`: published, suppressed or below the floor."""
         prefix = self.prefix(partition)
-        # One transaction: a snapshot between two Lua steps, so the counts add up.
+        # One transaction: a snapshot between two Lua steps, so the counts add up. The
+        # waiting gauges expire with the records they count (record_ttl).
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.hgetall(f"{prefix}:stats")
-            pipe.hlen(f"{prefix}:rec")
-            pipe.zcard(f"{prefix}:pool")
-            pipe.hlen(f"{prefix}:inflight")
-            counters, pending, pool, in_flight = await pipe.execute()
-        out = {k.decode(): int(v) for k, v in counters.items()}
-        out.update(pending=pending, pool=pool, in_flight=in_flight)
+            pipe.hgetall(f"{prefix}:waiting")
+            counters, waiting = await pipe.execute()
+        out = {k.decode(): int(v) for k, v in (counters | waiting).items()}
+        for gauge in ("pending", "held", "pool", "in_flight"):
+            out.setdefault(gauge, 0)
         # Records a record TTL removed before they were published or suppressed.
         resolved = out.get("published", 0) + out.get("suppressed", 0)
-        out["expired"] = max(out.get("ingested", 0) - resolved - pending - pool - in_flight, 0)
+        waiting_now = out["pending"] + out["pool"] + out["in_flight"]
+        out["expired"] = max(out.get("ingested", 0) - resolved - waiting_now, 0)
+        out["below_floor"] = out["pool"] if out["pool"] < self.config.mixing_pool else 0
+        # Records the stream has nothing more to do for until more arrive.
+        out["settled"] = resolved + out["below_floor"]
         return out
 
     async def totals(self) -> dict[str, int]:
@@ -151,16 +208,24 @@ class BufferState:
                 out[name] = out.get(name, 0) + int(count)
         return out
 
-    async def truth(self) -> dict[bytes, int]:
-        """True cells ("public codes|true sensitive codes") of every record handed to the
-        mixing pool, summed over partitions. Producer-side only: it holds true values."""
-        out: dict[bytes, int] = {}
+    async def truth(self) -> tuple[dict[bytes, int], dict[bytes, int]]:
+        """The adversary test's tallies of the records the broker acknowledged in the last
+        one to two `reports.truth_retention` periods, summed over partitions: true cells
+        and published cells ("public codes|sensitive codes"), the same records in both.
+        Producer-side only: the first holds true values."""
+        true: dict[bytes, int] = {}
+        shown: dict[bytes, int] = {}
         for partition in range(self.config.partitions):
-            for cell, count in (
-                await self.client.hgetall(f"{self.prefix(partition)}:truth")
-            ).items():
-                out[cell] = out.get(cell, 0) + int(count)
-        return out
+            prefix = self.prefix(partition)
+            epoch = await self.client.hget(f"{prefix}:stats", "truth_epoch")
+            if epoch is None:
+                continue
+            for number in (int(epoch) - 1, int(epoch)):
+                for name, out in (("truth", true), ("shown", shown)):
+                    cells = await self.client.hgetall(f"{prefix}:{name}:{number}")
+                    for cell, count in cells.items():
+                        out[cell] = out.get(cell, 0) + int(count)
+        return true, shown
 
     async def delays(self) -> dict[str, int]:
         """The emission-delay histogram summed over partitions: non-cumulative counts
@@ -174,22 +239,14 @@ class BufferState:
         return out
 
     async def personal_groups(self) -> dict[str, dict[str, int]]:
-        """Each personal group's state summed over partitions: total, trials, c:<v>."""
+        """Each personal group's aggregates summed over partitions: total, trials, c:<v>."""
         out: dict[str, dict[str, int]] = {}
         for partition in range(self.config.partitions):
-            prefix = self.prefix(partition)
-            keys = [k async for k in self.client.scan_iter(match=f"{prefix}:g:*:s", count=1000)]
-            async with self.client.pipeline(transaction=False) as pipe:
-                for key in keys:
-                    pipe.hgetall(key)
-                states = await pipe.execute()
-            for key, state in zip(keys, states, strict=True):
-                group = key.decode()[len(prefix) + 3 : -2]
+            fields = await self.client.hgetall(f"{self.prefix(partition)}:gstat")
+            for field, value in fields.items():
+                group, _, name = field.decode().partition("|")
                 merged = out.setdefault(group, {})
-                for field, value in state.items():
-                    name = field.decode()
-                    if name == "total" or name == "trials" or name.startswith("c:"):
-                        merged[name] = merged.get(name, 0) + int(value)
+                merged[name] = merged.get(name, 0) + int(value)
         return out
 
     async def memory(self) -> int:
@@ -200,12 +257,25 @@ class BufferState:
 class StreamBuffer(BufferState):
     """One stream's buffers in Redis, for the partitions a worker owns."""
 
-    def __init__(self, client: aioredis.Redis, config: StreamConfig, key: ServiceKey) -> None:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        config: StreamConfig,
+        key: ServiceKey,
+        entropy: Callable[[int], str] = secrets.token_hex,
+    ) -> None:
+        """`entropy(n)` gives n fresh random bytes as hex for each take; only tests that
+        need a reproducible run replace the operating system's."""
         super().__init__(client, config)
-        self._ingest = client.register_script(lua_script("ingest", config.mechanism))
-        self._take = client.register_script(lua_script("emit"))
+        self._entropy = entropy
+        self._ingest = client.register_script(
+            lua_script("fingerprints", "uniforms", "ingest", config.mechanism)
+        )
+        bounds = f"local DELAY_BOUNDS = {_lua_list(DELAY_BOUNDS_MS)}\n"
+        self._take = client.register_script(bounds + lua_script("uniforms", "emit"))
         self._acknowledge = client.register_script(lua_script("acknowledge"))
         self._ttl = int((config.record_ttl or 0) * 1000)
+        self._retention = int(config.reports.truth_retention * 1000)
         # Secret per-partition seeds for the keyed choice of decoy groups.
         self._seed_key = key.subkey("decoy cuts").hex()
         if config.personal is not None:
@@ -221,22 +291,20 @@ class StreamBuffer(BufferState):
     ) -> IngestOutcome:
         """Store a batch (or nothing: a timer tick) and do every cut or release now due."""
         records = len(batch) if batch is not None else 0
-        max_wait = int(self.config.max_wait * 1000)
-        window, ttl = int(self.config.dedup_window * 1000), self._ttl
+        max_wait, ttl = int(self.config.max_wait * 1000), self._ttl
         if self.config.decoy is not None:
             w = len(self.config.sensitive)
             seed = f"{self._seed_key}:{partition}"
-            args: list = [now_ms, max_wait, self.config.decoy.gamma, w, seed, window, ttl, records]
+            args: list = [now_ms, max_wait, self.config.decoy.gamma, w, seed, ttl, records]
         else:
-            args = [now_ms, max_wait, *self._personal_args, window, ttl, records]
+            args = [now_ms, max_wait, *self._personal_args, ttl, records]
         if batch is not None:
-            # One argument per record: id (32 hex digits), digest (8 bytes), then '|'-separated
-            # fields, the raw offset and then the dedup key last, since a producer's record
-            # id may hold '|'.
+            # One argument per record: id (32 hex digits), fingerprint (12 bytes), then
+            # '|'-separated fields, the raw offset last.
             args += [
-                record_id + digest + fields
-                for record_id, digest, fields in zip(
-                    batch.id_bytes(), batch.digests, self._fields(batch), strict=True
+                record_id + fingerprint + fields
+                for record_id, fingerprint, fields in zip(
+                    batch.id_bytes(), batch.fingerprints, self._fields(batch), strict=True
                 )
             ]
         result = await self._ingest(keys=[self.prefix(partition)], args=args)
@@ -247,29 +315,29 @@ class StreamBuffer(BufferState):
 
     def _fields(self, batch: PreparedBatch) -> list[bytes]:
         sensitive = batch.sensitive.tolist()
-        tails = [
-            b"%d|%s" % (m.offset, d) for m, d in zip(batch.messages, batch.dedup_keys, strict=True)
-        ]
+        offsets = [b"%d" % m.offset for m in batch.messages]
         if self.config.decoy is not None:
             return [
-                b"|".join([public, _csv(values), _csv(draws), tail])
-                for public, values, draws, tail in zip(
-                    batch.public, sensitive, batch.draws.tolist(), tails, strict=True
+                b"|".join([public, _csv(values), _csv(draws), offset])
+                for public, values, draws, offset in zip(
+                    batch.public, sensitive, batch.draws.tolist(), offsets, strict=True
                 )
             ]
         return [
-            b"|".join([public, group, b"%d" % values[0], b"%d" % perturbed, tail])
-            for public, group, values, perturbed, tail in zip(
-                batch.public, batch.groups, sensitive, batch.perturbed.tolist(), tails,
+            b"|".join([public, group, b"%d" % values[0], b"%d" % perturbed, offset])
+            for public, group, values, perturbed, offset in zip(
+                batch.public, batch.groups, sensitive, batch.perturbed.tolist(), offsets,
                 strict=True,
             )
         ]  # fmt: skip
 
     async def take(self, partition: int, now_ms: int, limit: int) -> list[tuple[str, bytes]]:
-        """Up to `limit` records due for publication, each under a fresh random token."""
+        """Records due for publication by the mixing rule, each under a fresh random token:
+        at most `limit` of the excess over the floor, or the whole pool at the stream's
+        end. Each take draws 128 fresh bits from the OS for its shuffle and tokens."""
         args = [
             now_ms, self.config.mixing_pool, int(self.config.flush_interval * 1000), limit,
-            secrets.token_hex(16), self._ttl,
+            self._entropy(SHUFFLE_SEED_BYTES),
         ]  # fmt: skip
         blob = await self._take(keys=[self.prefix(partition)], args=args)
         return [
@@ -278,11 +346,16 @@ class StreamBuffer(BufferState):
         ]
 
     async def in_flight(self, partition: int) -> list[tuple[str, bytes]]:
-        """Emissions not yet acknowledged, to re-send with their tokens."""
-        entries = await self.client.hgetall(f"{self.prefix(partition)}:inflight")
-        return [(token.decode(), entry) for token, entry in entries.items()]
+        """Emissions not yet acknowledged, to re-send with their tokens, in an order drawn
+        from the OS (a hash's order is not random)."""
+        entries = list((await self.client.hgetall(f"{self.prefix(partition)}:inflight")).items())
+        secrets.SystemRandom().shuffle(entries)
+        return [(token.decode(), entry) for token, entry in entries]
 
-    async def acknowledge(self, partition: int, tokens: list[str]) -> None:
+    async def acknowledge(self, partition: int, tokens: list[str], now_ms: int) -> None:
+        """Forget emissions the broker acknowledged, counting them into the truth tally."""
         for start in range(0, len(tokens), _ACK_CHUNK):
             chunk = tokens[start : start + _ACK_CHUNK]
-            await self._acknowledge(keys=[self.prefix(partition)], args=chunk)
+            await self._acknowledge(
+                keys=[self.prefix(partition)], args=[now_ms, self._retention, *chunk]
+            )

@@ -5,17 +5,22 @@
     mechanism = "decoy"          # or "personal", or "windowed" (a batch mechanism per window)
     partitions = 4               # of every topic; one worker can own several
     max_wait = 30.0              # seconds a record may wait for its group
-    mixing_pool = 1000           # records held back so a group's members are not published together
-    flush_interval = 5.0         # seconds after which a quiet pool is emitted anyway
-    buffer_cap = 100000          # buffered records per partition before consumption pauses
+    mixing_pool = 1000           # the mixing pool's floor, in records (decoy: at least 10
+                                 # groups of γ): the pool never holds fewer while it
+                                 # releases, so a published record's neighbours are its
+                                 # group-mates with probability at most (γ-1)/floor; records
+                                 # wait until it fills (about floor / arrival rate)
+    flush_interval = 5.0         # seconds without new pooled records after which a pool
+                                 # holding at least its floor is released whole
+    buffer_cap = 100000          # records per partition (waiting and pooled) before
+                                 # consumption pauses; at least twice mixing_pool
     report_interval = 30.0       # seconds between privacy reports
     batch_size = 2000            # raw records per batch
     batch_wait = 0.2             # seconds to wait for a batch to fill
-    dedup_window = 600.0         # seconds a record id (worker) or token (consumer) is
-                                 # remembered: redeliveries within it are recognised by id,
-                                 # replays of a raw partition at any age by their offset
-    record_ttl = 86400.0         # optional: buffered records (raw, pooled, in flight) expire
-                                 # this long after a worker last touched their partition
+    record_ttl = 86400.0         # optional: raw buffered records (not yet randomized) expire
+                                 # this long after a worker last touched their partition;
+                                 # at least 60 s and twice max_wait. Randomized records
+                                 # (pooled, in flight) never expire: they are published
 
     [key]                        # the service key is never written in this file
     env = "SPLU_SERVICE_KEY"     # 64 hex characters, or
@@ -66,6 +71,9 @@
     large_count = 100            # adversary: true counts from this on are large
     max_small_within = 0.5       # adversary: share of small cells within ε at most (decoy: 1 − T_P)
     dp_epsilon = 0.5             # personal: also audit Laplace counts at this ε (optional)
+    truth_retention = 86400.0    # seconds: the adversary test scores the records published
+                                 # in the last one to two such periods; the exact tallies
+                                 # it needs are dropped after that
     fail_closed = ["adversary"]  # tests whose failure pauses publishing until they pass again
     port = 6066                  # the consumer's web port
     queries = [{where = {sex = "Male"}, value = {occupation = "Craft-repair"}}]  # standing
@@ -99,6 +107,10 @@ WINDOWED_MECHANISMS = ("sdr", "fprivacy", "anatomy", "dbr", "global")
 # [redis] options naming TLS files, and the redis-py argument each becomes.
 TLS_FILES = {"ca_file": "ssl_ca_certs", "cert_file": "ssl_certfile", "key_file": "ssl_keyfile"}
 TOPIC_ROLES = ("raw", "published", "rejected", "reports")
+# The mixing pool's floor holds at least this many groups (SPEC §3; docs/architecture.md).
+MIN_MIXING_GROUPS = 10
+# Seconds: a record TTL shorter than this could expire records while partitions move.
+MIN_RECORD_TTL = 60.0
 
 
 class ConfigError(SchemaError):
@@ -153,6 +165,7 @@ class ReportSettings:
     large_count: int
     max_small_within: float | None
     dp_epsilon: float | None
+    truth_retention: float
     fail_closed: tuple[str, ...]
     port: int
     queries: tuple[Mapping[str, Any], ...]
@@ -173,7 +186,6 @@ class StreamConfig:
     report_interval: float
     batch_size: int
     batch_wait: float
-    dedup_window: float
     record_ttl: float | None
     topics: Mapping[str, str]
     key_env: str | None
@@ -344,16 +356,22 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
     settings = {
         "partitions": stream.integer("partitions", 4),
         "max_wait": stream.number("max_wait", 30.0),
-        "mixing_pool": stream.integer("mixing_pool", 1000, minimum=0),
+        "mixing_pool": stream.integer("mixing_pool", 1000),
         "flush_interval": stream.number("flush_interval", 5.0),
         "buffer_cap": stream.integer("buffer_cap", 100_000),
         "report_interval": stream.number("report_interval", 30.0),
         "batch_size": stream.integer("batch_size", 2000),
         "batch_wait": stream.number("batch_wait", 0.2),
-        "dedup_window": stream.number("dedup_window", 600.0),
         "record_ttl": stream.number("record_ttl") if stream.get("record_ttl") else None,
     }
+    if "dedup_window" in stream.table:
+        raise stream.fail(
+            "dedup_window",
+            "is no longer a setting: record ids and tokens are remembered for the life of "
+            "the stream; remove it",
+        )
     stream.finish()
+    _check_stream_settings(stream, settings)
 
     key = _table(source, document, "key", required=True)
     assert key is not None
@@ -411,6 +429,20 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
         personal = _personal_settings(source, document, schema, base, settings["partitions"])
 
     reports = _report_settings(source, document, mechanism, schema)
+    if reports.truth_retention < 2 * settings["report_interval"]:
+        raise ConfigError(
+            f"{source}: reports.truth_retention ({reports.truth_retention:g} s) must be at least "
+            f"twice stream.report_interval ({settings['report_interval']:g} s), or the "
+            "adversary test would score next to nothing"
+        )
+    group = decoy.gamma if decoy is not None else 1
+    if settings["mixing_pool"] < MIN_MIXING_GROUPS * group:
+        size = f"{MIN_MIXING_GROUPS} groups of γ = {group}" if decoy else f"{MIN_MIXING_GROUPS}"
+        raise ConfigError(
+            f"{source}: stream.mixing_pool must be at least {MIN_MIXING_GROUPS * group} "
+            f"({size}), got {settings['mixing_pool']}: a published record's neighbours would "
+            "too often be its group-mates"
+        )
 
     return StreamConfig(
         source=source,
@@ -431,6 +463,25 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
         windowed=windowed,
         **settings,
     )
+
+
+def _check_stream_settings(stream: _Reader, settings: Mapping[str, Any]) -> None:
+    """Combinations of [stream] settings that would stall the stream or lose records."""
+    if settings["buffer_cap"] < 2 * settings["mixing_pool"]:
+        raise stream.fail(
+            "buffer_cap",
+            f"({settings['buffer_cap']}) must be at least twice stream.mixing_pool "
+            f"({settings['mixing_pool']}): the pool never drops below mixing_pool while it "
+            "releases, so a smaller cap stops consumption for good",
+        )
+    ttl = settings["record_ttl"]
+    if ttl is not None and ttl < max(MIN_RECORD_TTL, 2 * settings["max_wait"]):
+        raise stream.fail(
+            "record_ttl",
+            f"({ttl:g} s) must be at least {MIN_RECORD_TTL:g} s and twice stream.max_wait "
+            f"({settings['max_wait']:g} s): records would expire while a worker still runs "
+            "or while partitions move between workers",
+        )
 
 
 def _report_settings(
@@ -472,6 +523,7 @@ def _report_settings(
         large_count=table.integer("large_count", 100),
         max_small_within=small,
         dp_epsilon=dp_epsilon,
+        truth_retention=table.number("truth_retention", 86400.0),
         fail_closed=tuple(fail_closed),
         port=table.integer("port", 6066, minimum=0, maximum=65535),
         queries=tuple(queries),

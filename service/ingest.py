@@ -4,9 +4,12 @@ A raw message is a JSON object of attribute values; its Kafka key, if any, is
 the producer's record id. Each accepted record gets:
 
 - a *dedup key*: ``k:<producer id>``, else ``o:<offset>`` (per partition), so
-  a redelivered record is recognised and stored once;
-- a *digest* of its validated values, so a record id reused with different
-  content is rejected instead of silently replacing or duplicating anything;
+  a redelivered record is recognised and stored once, at any age;
+- a *fingerprint*, what Redis keeps of it for the life of the stream: a keyed
+  64-bit hash of the dedup key (2 bytes pick a bucket, 6 are stored) and a keyed
+  32-bit digest of its validated values, so a record id reused with different
+  content is rejected instead of silently replacing or duplicating anything.
+  Keyed, so nobody can test a guessed record against what Redis holds;
 - a 128-bit *id*: a keyed PRF of its dedup key. A redelivery gets back the same
   id, and ids are independent of content and unguessable without the key;
 - its randomization inputs, computed here by the mechanism classes the batch
@@ -82,7 +85,7 @@ class PreparedBatch:
     partition: int
     messages: list[RawMessage] = field(default_factory=list)
     dedup_keys: list[bytes] = field(default_factory=list)
-    digests: list[bytes] = field(default_factory=list)
+    fingerprints: list[bytes] = field(default_factory=list)
     ids: np.ndarray = field(default_factory=lambda: np.empty((0, 2), np.uint64))
     public: list[bytes] = field(default_factory=list)
     sensitive: np.ndarray = field(default_factory=lambda: np.empty((0, 0), np.int64))
@@ -105,6 +108,7 @@ class Preparer:
     def __init__(self, config: StreamConfig, key: ServiceKey) -> None:
         self.config = config
         self.key = key
+        self._fingerprint_key = key.subkey("dedup fingerprints")
         self._digest_key = key.subkey("dedup digests")
         self.schema = config.schema
         self._public = [i for i, a in enumerate(self.schema.attributes) if not a.sensitive]
@@ -167,26 +171,34 @@ class Preparer:
             ) from None
         return self.schema.encode_record(record, where)
 
-    def _batch(self, partition: int, rows: list[tuple[RawMessage, list[int]]]) -> PreparedBatch:
-        messages = [m for m, _ in rows]
-        codes = np.asarray([c for _, c in rows], dtype=np.int64).reshape(len(rows), -1)
+    def identify(
+        self, partition: int, messages: list[RawMessage], codes: np.ndarray
+    ) -> PreparedBatch:
+        """A batch of validated records (`codes` in schema order) with their dedup keys, ids
+        and fingerprints, and no randomization inputs yet."""
         dedup_keys = [b"k:" + m.key if m.key else b"o:%d" % m.offset for m in messages]
-        ids = ids_for(self.key, [b"%d:" % partition + d for d in dedup_keys])
-        batch = PreparedBatch(
+        return PreparedBatch(
             partition=partition,
             messages=messages,
             dedup_keys=dedup_keys,
-            # Of the validated record, so a resend formatted differently is still the same;
-            # keyed, because the digest stays in Redis after publication and an unkeyed hash
-            # of a few thousand possible records would give the record back.
-            digests=[
-                hashlib.blake2b(row.tobytes(), digest_size=8, key=self._digest_key).digest()
-                for row in codes
+            # The content digest is of the validated record, so a resend formatted
+            # differently is still the same; keyed, because it stays in Redis after
+            # publication and an unkeyed hash of a few thousand possible records would give
+            # the record back.
+            fingerprints=[
+                hashlib.blake2b(dedup, digest_size=8, key=self._fingerprint_key).digest()
+                + hashlib.blake2b(row.tobytes(), digest_size=4, key=self._digest_key).digest()
+                for dedup, row in zip(dedup_keys, codes, strict=True)
             ],
-            ids=ids,
-            public=[",".join(map(str, row)).encode() for row in codes[:, self._public].tolist()],
+            ids=ids_for(self.key, [b"%d:" % partition + d for d in dedup_keys]),
+            public=[b",".join(b"%d" % c for c in row) for row in codes[:, self._public].tolist()],
             sensitive=codes[:, self._sensitive],
         )
+
+    def _batch(self, partition: int, rows: list[tuple[RawMessage, list[int]]]) -> PreparedBatch:
+        codes = np.asarray([c for _, c in rows], dtype=np.int64).reshape(len(rows), -1)
+        batch = self.identify(partition, [m for m, _ in rows], codes)
+        ids = batch.ids
         names = [a.name for a in self.schema.sensitive]
         if self.config.decoy is not None:
             batch.draws = np.column_stack(
@@ -210,8 +222,9 @@ class Preparer:
     def codes_of(self, member: bytes) -> list[int]:
         """A pool entry's codes in schema order.
 
-        Entries are "public codes|published sensitive codes|audit|arrival|id"; only the
-        first two fields are ever published.
+        Entries are "public codes|published sensitive codes|audit|true sensitive
+        codes|arrival|id" (`service.buffer.PoolEntry`); only the first two fields are ever
+        published.
         """
         public_text, sensitive_text, _ = member.split(b"|", 2)
         public = iter(public_text.split(b",") if public_text else ())

@@ -10,8 +10,12 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-# Upper bounds of the delay histogram in ms, as service/lua/emit.lua counts them.
-DELAY_BOUNDS_MS = (100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 120000)
+# Upper bounds of the delay histogram in ms (service/lua/emit.lua counts with these). Slow
+# streams wait for the mixing pool's floor to fill, so the bounds reach a day.
+DELAY_BOUNDS_MS = (
+    100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 120000, 300000, 900000,
+    3600000, 14400000, 86400000,
+)  # fmt: skip
 
 
 def delay_histogram(raw: Mapping[str, int]) -> dict[str, Any]:

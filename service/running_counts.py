@@ -3,9 +3,11 @@
 A *cell* is one combination of every published column: public values and
 published sensitive values. The consumer counts each published record once,
 by its dedup token, in a single Lua step (``service/lua/count.lua``): a
-record the worker re-sent after a crash carries the token it had, and a batch
-redelivered to a consumer that died before committing its offsets brings
-tokens already counted; both are skipped and counted as duplicates.
+record the worker re-sent after a crash, however much later, carries the token
+it had, and a batch redelivered to a consumer that died before committing its
+offsets brings tokens already counted; both are skipped and counted as
+duplicates. Tokens are remembered as 64-bit fingerprints (6 bytes each in
+Redis) for the life of the stream.
 
 Cells are written as ``"public codes|sensitive codes"`` (codes comma-separated,
 schema order), the same text the buffer's truth tally uses, so published and
@@ -14,6 +16,7 @@ true counts read back into `PublishedCells` the same way.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -85,20 +88,17 @@ class RunningCounts:
         self.client = client
         self.prefix = f"splu:{{{config.name}:consumer}}"
         self.codec = CellCodec(config.schema)
-        self.dedup_window = config.dedup_window
-        self._count = client.register_script(lua_script("count"))
+        self._count = client.register_script(lua_script("fingerprints", "count"))
 
-    async def add(
-        self, tokens: Sequence[bytes], cells: Sequence[bytes], now_ms: int
-    ) -> CountedBatch:
-        """Count each (token, cell) whose token was not counted within the dedup window."""
-        window = int(self.dedup_window * 1000)
+    async def add(self, tokens: Sequence[bytes], cells: Sequence[bytes]) -> CountedBatch:
+        """Count each (token, cell) whose token was never counted before."""
         args = [
-            now_ms,
-            window,
-            *(item for pair in zip(tokens, cells, strict=True) for item in pair),
+            item
+            for token, cell in zip(tokens, cells, strict=True)
+            for item in (hashlib.blake2b(token, digest_size=8).digest(), cell)
         ]
-        new, duplicates = await self._count(keys=[self.prefix], args=args)
+        keys = [f"{self.prefix}:{name}" for name in ("seen", "cells", "stats")]
+        new, duplicates = await self._count(keys=keys, args=args)
         return CountedBatch(int(new), int(duplicates))
 
     async def tally(self) -> dict[bytes, int]:

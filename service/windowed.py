@@ -12,8 +12,8 @@ Redis keys (prefix ``splu:{<stream>:<partition>}``, one Cluster slot per partiti
 the steps are ``service/lua/window.lua`` behind the shared prelude ``ingest.lua``):
 
 =====================  =======  ==========================================================
-``:d:<n>``, ``:off``    hash,    dedup keys and the raw offset watermark, as every stream
-                        string   (``ingest.lua``)
+``:seen``, ``:off``     hash,    record fingerprints and the raw offset watermark, as
+                        string   every stream (``ingest.lua``)
 ``:open``               hash     record id (32 hex digits) → ``public codes|sensitive
                                  codes`` of the open window
 ``:w:<number>``         hash     the same for closed window ``number`` (1, 2, ... per
@@ -27,14 +27,14 @@ the steps are ``service/lua/window.lua`` behind the shared prelude ``ingest.lua`
                                  ``closed_full``, ``closed_wait``, ``windows_published``,
                                  ``windows_suppressed``, ``published`` (rows), ``side``
                                  (side messages), ``suppressed`` (records), ``opened`` (ms
-                                 the open window got its first record), ``dedup_window``
+                                 the open window got its first record), and gauges
 =====================  =======  ==========================================================
 
 Steps, each one atomic Lua call:
 
 - *ingest* (one per partition batch, and once a second without records, a tick):
-  store every new record in the open window idempotently (the prelude's dedup keys
-  and offset watermark; a redelivery is skipped); the window closes, i.e. becomes
+  store every new record in the open window idempotently (the prelude's fingerprints;
+  a redelivery is skipped); the window closes, i.e. becomes
   ``:w:<number>`` and enters ``:wq``, when it holds ``window`` records, or, at the
   start of a call, when its first record arrived ``max_window_wait`` seconds ago;
 - *stage*: keep a window's output under fresh random tokens, unless an output is
@@ -85,7 +85,6 @@ after a rebalance send the same staged messages, and only one *finish* counts.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 import re
@@ -101,7 +100,7 @@ from service.buffer import BufferState, IngestOutcome, lua_script
 from service.cli import BATCH_PUBLISHERS, EXTRA_COLUMN, CommandError
 from service.config import StreamConfig, WindowedSettings
 from service.ingest import PreparedBatch, Preparer, RawMessage
-from service.prf import ServiceKey, ids_for
+from service.prf import ServiceKey
 from service.schema import Schema
 from service.table import Table
 
@@ -247,32 +246,12 @@ def decode_staged(blob: bytes) -> Staged:
 
 
 class WindowPreparer(Preparer):
-    """`Preparer` for windowed streams: validation, dedup keys, digests and keyed ids as
+    """`Preparer` for windowed streams: validation, dedup keys, fingerprints and keyed ids as
     for every stream, and no per-record draws (the mechanism draws per window)."""
 
-    def __init__(self, config: StreamConfig, key: ServiceKey) -> None:
-        super().__init__(config, key)
-        self._window_digest_key = key.subkey("dedup digests")
-
     def _batch(self, partition: int, rows: list[tuple[RawMessage, list[int]]]) -> PreparedBatch:
-        messages = [m for m, _ in rows]
         codes = np.asarray([c for _, c in rows], dtype=np.int64).reshape(len(rows), -1)
-        dedup_keys = [b"k:" + m.key if m.key else b"o:%d" % m.offset for m in messages]
-        attributes = self.schema.attributes
-        public = [i for i, a in enumerate(attributes) if not a.sensitive]
-        sensitive = [i for i, a in enumerate(attributes) if a.sensitive]
-        return PreparedBatch(
-            partition=partition,
-            messages=messages,
-            dedup_keys=dedup_keys,
-            digests=[
-                hashlib.blake2b(row.tobytes(), digest_size=8, key=self._window_digest_key).digest()
-                for row in codes
-            ],
-            ids=ids_for(self.key, [b"%d:" % partition + d for d in dedup_keys]),
-            public=[b",".join(b"%d" % c for c in row) for row in codes[:, public].tolist()],
-            sensitive=codes[:, sensitive],
-        )
+        return self.identify(partition, [m for m, _ in rows], codes)
 
 
 class WindowState(BufferState):
@@ -310,7 +289,7 @@ class WindowBuffer(WindowState):
         super().__init__(client, config)
         assert config.windowed is not None, "a windowed stream has a [windowed] table"
         self.settings = config.windowed
-        self._script = client.register_script(lua_script("ingest", "window"))
+        self._script = client.register_script(lua_script("fingerprints", "ingest", "window"))
         self._ttl = int((config.record_ttl or 0) * 1000)
 
     async def ingest(
@@ -323,15 +302,15 @@ class WindowBuffer(WindowState):
         records = len(batch) if batch is not None else 0
         args: list = [
             "ingest", now_ms, self.settings.window, int(self.settings.max_window_wait * 1000),
-            int(self.config.dedup_window * 1000), self._ttl, records,
+            self._ttl, records,
         ]  # fmt: skip
         if batch is not None:
             args += [
-                record_id + digest + b"|".join([public, b",".join(b"%d" % c for c in values),
-                                                b"%d" % m.offset, dedup])
-                for record_id, digest, public, values, m, dedup in zip(
-                    batch.id_bytes(), batch.digests, batch.public, batch.sensitive.tolist(),
-                    batch.messages, batch.dedup_keys, strict=True,
+                record_id + fingerprint + b"|".join([public, b",".join(b"%d" % c for c in values),
+                                                     b"%d" % m.offset])
+                for record_id, fingerprint, public, values, m in zip(
+                    batch.id_bytes(), batch.fingerprints, batch.public, batch.sensitive.tolist(),
+                    batch.messages, strict=True,
                 )
             ]  # fmt: skip
         result = await self._script(keys=[self.prefix(partition)], args=args)

@@ -8,18 +8,21 @@ One agent per concern:
   batch's offsets are acknowledged only when the loop moves on, i.e. after
   Redis (with fsync on every write) has the batch: a crash replays it, and the
   buffer recognises the replay.
-- ``emit`` (timer) moves random records from each owned partition's mixing
-  pool to the published topic under fresh tokens, and forgets them only once
-  the broker acknowledged them; a newly assigned partition first re-sends
-  whatever its previous owner left in flight, with the same tokens.
+- ``emit`` (timer, `Emitter`) moves records from each owned partition's mixing
+  pool to the published topic under fresh tokens by the mixing rule (only the
+  excess over the pool's floor, uniformly drawn and shuffled; a quiet pool
+  whole, if it holds the floor), and forgets them only once the broker
+  acknowledged them; a newly assigned partition first re-sends whatever its
+  previous owner left in flight, with the same tokens.
 - ``tick`` (timer) lets time act: decoy records past ``max_wait`` are
   suppressed, personal groups past it are released.
 
 While the consumer's privacy tests hold publishing paused (fail closed),
 ``emit`` sends nothing; records keep arriving and wait in Redis.
 
-When a partition's buffer reaches ``buffer_cap`` the ingest agent waits, so
-the consumer stops fetching instead of Redis growing without bound.
+When a partition's records (waiting for a group and pooled) reach
+``buffer_cap`` the ingest agent waits, so the consumer stops fetching instead
+of Redis growing without bound, also while publishing is paused.
 """
 
 from __future__ import annotations
@@ -103,11 +106,17 @@ class Publisher(Service):
         if self.producer is not None:
             await self.producer.stop()
 
-    async def send_all(self, topic: str, messages: Iterable[tuple[bytes | None, bytes]]) -> int:
+    async def send_all(
+        self,
+        topic: str,
+        messages: Iterable[tuple[bytes | None, bytes]],
+        timestamp_ms: int | None = None,
+    ) -> int:
         """Send messages round-robin over the topic's partitions, in batches; await every ack.
 
-        Messages come from a randomly drawn slice of the mixing pool, so their
-        partition says nothing about their group.
+        Messages come from a uniformly drawn and shuffled take of the mixing pool, so
+        their partition and offset say nothing about their group. `timestamp_ms`, if
+        given, stamps every message alike: one time per take, never one per record.
         """
         assert self.producer is not None, "the publisher starts with the app"
         partitions = sorted(await self.producer.partitions_for(topic))
@@ -117,13 +126,13 @@ class Publisher(Service):
         for sent, (key, value) in enumerate(messages, start=1):
             partition = partitions[sent % len(partitions)]
             batch = batches.get(partition)
-            if batch is None or batch.append(key=key, value=value, timestamp=None) is None:
+            if batch is None or batch.append(key=key, value=value, timestamp=timestamp_ms) is None:
                 if batch is not None:
                     futures.append(
                         await self.producer.send_batch(batch, topic, partition=partition)
                     )
                 batch = batches[partition] = self.producer.create_batch()
-                batch.append(key=key, value=value, timestamp=None)
+                batch.append(key=key, value=value, timestamp=timestamp_ms)
         for partition, batch in batches.items():
             futures.append(await self.producer.send_batch(batch, topic, partition=partition))
         await asyncio.gather(*futures)
@@ -251,6 +260,63 @@ class PauseWatch:
         return reason is not None
 
 
+class Emitter:
+    """One emission round per timer tick: for each owned partition, re-send what a previous
+    owner left in flight, then publish every take the mixing rule allows, each take under
+    one timestamp, and acknowledge it once the broker has it.
+
+    Free of Faust, so tests drive it on a virtual clock exactly as the timer does.
+    """
+
+    def __init__(
+        self, config: StreamConfig, buffer: StreamBuffer, publisher: Publisher, preparer: Preparer
+    ) -> None:
+        self.config, self.buffer = config, buffer
+        self.publisher, self.preparer = publisher, preparer
+        self.owned: set[int] = set()
+        self.resend: set[int] = set()
+
+    def assigned(self, partitions: set[int]) -> None:
+        """Partitions newly given to this worker: their in-flight records go out first."""
+        self.resend |= partitions - self.owned
+
+    async def publish(self, partition: int, items: list[tuple[str, bytes]], now: int) -> None:
+        await self.publisher.send_all(
+            self.config.topics["published"],
+            ((token.encode(), self.preparer.published_json(entry)) for token, entry in items),
+            timestamp_ms=now,
+        )
+        await self.buffer.acknowledge(partition, [token for token, _ in items], now)
+
+    async def round(
+        self, partitions: set[int], now: int
+    ) -> list[tuple[int, list[tuple[str, bytes]]]]:
+        """Emit from `partitions` at time `now` (ms); returns the takes sent, in order, each
+        with its partition."""
+        self.owned &= partitions
+        sent = []
+        for partition in sorted(partitions):
+            try:
+                if partition in self.resend or partition not in self.owned:
+                    waiting = await self.buffer.in_flight(partition)
+                    if waiting:
+                        log.warning(
+                            "partition %d: re-sending %d unacknowledged records",
+                            partition, len(waiting),
+                        )  # fmt: skip
+                        await self.publish(partition, waiting, now)
+                    self.resend.discard(partition)
+                    self.owned.add(partition)
+                while items := await self.buffer.take(partition, now, EMIT_CHUNK):
+                    await self.publish(partition, items, now)
+                    sent.append((partition, items))
+            except TRANSIENT as err:
+                # Whatever was taken stays in flight; send it again once things recover.
+                log.warning("partition %d: emission failed (%s)", partition, type(err).__name__)
+                self.resend.add(partition)
+        return sent
+
+
 def add_ingest(
     app: faust.App,
     raw: faust.TopicT,
@@ -272,7 +338,8 @@ def add_ingest(
             log.warning("rejected %s: %s", where, r.rejection.reason)
 
     async def store(events: list[faust.EventT]) -> list[tuple[int, int]]:
-        """Buffer one batch and send its rejections; (partition, pending) per partition."""
+        """Buffer one batch and send its rejections; (partition, records held) per partition:
+        waiting for a group or release, and pooled."""
         messages = [
             RawMessage(e.message.partition, e.message.offset, e.message.key, e.message.value)
             for e in events
@@ -292,17 +359,17 @@ def add_ingest(
             await retrying("sending rejections", reject, rejected)
             counts = Counter(r.message.partition for r in rejected)
             await retrying("counting rejections", buffer.count_rejected, counts)
-        return [(b.partition, o.pending) for b, o in zip(batches, outcomes, strict=True)]
+        return [(b.partition, o.pending + o.pool) for b, o in zip(batches, outcomes, strict=True)]
 
     @app.agent(raw)
     async def ingest(stream: faust.StreamT) -> None:
         async for backlog in durable_batches(stream, config, store):
-            for partition, pending in backlog:
-                while pending >= config.buffer_cap:
+            for partition, held in backlog:
+                while held >= config.buffer_cap:
                     # Backpressure: hold the consumer until time or publication frees room.
                     await asyncio.sleep(config.batch_wait)
                     tick = await retrying("ticking", buffer.ingest, partition, None, now_ms())
-                    pending = tick.pending
+                    held = tick.pending + tick.pool
 
 
 def create_app(config: StreamConfig, key: ServiceKey, datadir: Path) -> faust.App:
@@ -317,58 +384,24 @@ def create_app(config: StreamConfig, key: ServiceKey, datadir: Path) -> faust.Ap
     preparer = Preparer(config, key)
     client = connect(config)
     buffer = StreamBuffer(client, config, key)
-    owned: set[int] = set()
-    resend: set[int] = set()
+    emitter = Emitter(config, buffer, publisher, preparer)
     pause = PauseWatch(buffer)
-
-    def assigned() -> set[int]:
-        return assigned_partitions(app, raw)
 
     @app.on_partitions_assigned.connect
     async def on_assigned(sender: object, assigned: set, **kwargs: object) -> None:
-        for tp in assigned:
-            if tp.topic == raw.get_topic_name() and tp.partition not in owned:
-                resend.add(tp.partition)
+        emitter.assigned({tp.partition for tp in assigned if tp.topic == raw.get_topic_name()})
 
     add_ingest(app, raw, config, preparer, buffer, publisher)
-
-    async def publish(partition: int, items: list[tuple[str, bytes]]) -> None:
-        await publisher.send_all(
-            config.topics["published"],
-            ((token.encode(), preparer.published_json(entry)) for token, entry in items),
-        )
-        await buffer.acknowledge(partition, [token for token, _ in items])
 
     @app.timer(interval=EMIT_INTERVAL)
     async def emit() -> None:
         if await pause.holding():
             return
-        current = assigned()
-        owned.intersection_update(current)
-        for partition in sorted(current):
-            try:
-                if partition in resend or partition not in owned:
-                    waiting = await buffer.in_flight(partition)
-                    if waiting:
-                        log.warning(
-                            "partition %d: re-sending %d unacknowledged records",
-                            partition, len(waiting),
-                        )  # fmt: skip
-                        await publish(partition, waiting)
-                    resend.discard(partition)
-                    owned.add(partition)
-                while items := await buffer.take(partition, now_ms(), EMIT_CHUNK):
-                    await publish(partition, items)
-                    if len(items) < EMIT_CHUNK:
-                        break
-            except TRANSIENT as err:
-                # Whatever was taken stays in flight; send it again once things recover.
-                log.warning("partition %d: emission failed (%s)", partition, type(err).__name__)
-                resend.add(partition)
+        await emitter.round(assigned_partitions(app, raw), now_ms())
 
     @app.timer(interval=TICK_INTERVAL)
     async def tick() -> None:
-        for partition in sorted(assigned()):
+        for partition in sorted(assigned_partitions(app, raw)):
             try:
                 await buffer.ingest(partition, None, now_ms())
             except TRANSIENT as err:

@@ -123,7 +123,7 @@ class Harness:
 
     async def entries(self, client: aioredis.Redis) -> list[tuple[int, str | None, bytes]]:
         """(partition, token or None if pooled, entry) of every record in a pool or in flight;
-        an entry is "public codes|published codes|audit|arrival|id"."""
+        an entry is a `PoolEntry`: "public|published|audit|true|arrival|id"."""
         out: list[tuple[int, str | None, bytes]] = []
         for partition in range(self.config.partitions):
             prefix = BufferState(client, self.config).prefix(partition)

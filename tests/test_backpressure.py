@@ -182,3 +182,87 @@ def test_full_buffer_pauses_consumption_and_time_resumes_it(servers, tmp_path):
     assert len(held) > 1, "no samples while the buffer was full"
     assert all(s.ingested <= first.ingested + BATCH_SIZE for s in held)
     assert all(s.lag >= RECORDS - first.ingested - BATCH_SIZE > 0 for s in held)
+
+
+POOL_FLOOR = 100  # records each partition's mixing pool keeps back
+
+
+def test_a_paused_stream_caps_its_mixing_pool_and_publishes_it_all_after(servers, tmp_path):
+    """While the privacy tests hold publication (fail-closed pause), groups still form and
+    their records pile up in the mixing pools: the cap counts pooled records too, so ingest
+    stops and the rest waits in Kafka; lifting the pause publishes every pooled record."""
+    harness = capped_harness(servers, tmp_path)
+    document = tomllib.loads(harness.path.read_text())
+    document["stream"].update(mixing_pool=POOL_FLOOR, max_wait=60.0)
+    harness.path.write_text(tomli_w.dumps(document))
+    config = harness.config = load_config(harness.path)
+    with open_sample() as stream:
+        rows = itertools.islice(csv.DictReader(stream), RECORDS)
+        messages = [
+            (f"pp{i}".encode(), json.dumps({n: row[n] for n in config.schema.names}).encode())
+            for i, row in enumerate(rows)
+        ]
+
+    async def observe_once() -> tuple[list[dict[str, int]], int]:
+        """Each partition's counters and gauges, and the raw offsets the worker committed."""
+        client = aioredis.from_url(config.redis_url)
+        state = BufferState(client, config)
+        admin = AIOKafkaAdminClient(bootstrap_servers=config.kafka_bootstrap)
+        await admin.start()
+        raw = [TopicPartition(config.topics["raw"], p) for p in range(config.partitions)]
+        try:
+            offsets = await admin.list_consumer_group_offsets(f"splu-{config.name}", partitions=raw)
+            stats = [await state.stats(p) for p in range(config.partitions)]
+        finally:
+            await admin.close()
+            await client.aclose()
+        return stats, sum(max(offsets[tp].offset, 0) for tp in raw if tp in offsets)
+
+    def held(stats: list[dict[str, int]]) -> list[int]:
+        return [s["pending"] + s["pool"] + s.get("in_flight", 0) for s in stats]
+
+    def total(stats: list[dict[str, int]], name: str) -> int:
+        return sum(s.get(name, 0) for s in stats)
+
+    async def pause(reason: str | None) -> None:
+        client = aioredis.from_url(config.redis_url)
+        await BufferState(client, config).pause(reason)
+        await client.aclose()
+
+    asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
+    asyncio.run(pause("adversary test failed (test)"))
+    assert asyncio.run(produce(config, iter(messages), progress=False)) == RECORDS
+    harness.start_worker()
+    try:
+        # Paused: a buffer fills to the cap, mostly with pooled records, and ingest stops
+        # (the one ingest agent waits while any partition is full).
+        deadline = time.monotonic() + JOIN_TIMEOUT
+        while time.monotonic() < deadline:
+            stats, committed = asyncio.run(observe_once())
+            assert total(stats, "published") == 0
+            if max(held(stats)) >= BUFFER_CAP:
+                break
+            time.sleep(SAMPLE_EVERY * 4)
+        time.sleep(3 * TICK_INTERVAL)
+        stats, committed = asyncio.run(observe_once())
+        assert max(held(stats)) >= BUFFER_CAP, f"no buffer reached the cap: {stats}"
+        assert max(held(stats)) <= BUFFER_CAP + BATCH_SIZE, stats
+        assert total(stats, "ingested") <= config.partitions * (BUFFER_CAP + BATCH_SIZE), stats
+        assert total(stats, "pool") > total(stats, "pending"), stats
+        assert total(stats, "published") == 0 and committed < RECORDS
+
+        # Released: the pools empty (a quiet pool at its floor leaves whole), every offset
+        # is committed, and every record is published or still waits for its group.
+        asyncio.run(pause(None))
+        deadline = time.monotonic() + JOIN_TIMEOUT
+        while time.monotonic() < deadline:
+            stats, committed = asyncio.run(observe_once())
+            if committed == RECORDS and total(stats, "pool") + total(stats, "in_flight") == 0:
+                break
+            time.sleep(SAMPLE_EVERY * 4)
+    finally:
+        harness.stop()
+    assert committed == RECORDS and total(stats, "ingested") == RECORDS, stats
+    assert total(stats, "pool") + total(stats, "in_flight") == 0, stats
+    resolved = total(stats, "published") + total(stats, "suppressed")
+    assert resolved + total(stats, "pending") == RECORDS, stats

@@ -118,7 +118,7 @@ def test_consumer_estimates_equal_batch_reconstruction(servers, tmp_path, mechan
             redis = aioredis.from_url(config.redis_url)
             totals = await harness.totals(redis)
             await redis.aclose()
-            done = totals.get("published", 0) + totals.get("suppressed", 0)
+            done = totals.get("settled", 0)
             return totals if done == RECORDS and totals["in_flight"] == 0 else None
 
         totals = wait_for(lambda: asyncio.run(settled()), "every record published or suppressed")

@@ -1,6 +1,42 @@
 -- Forget emissions the broker acknowledged; until then they stay in flight and a
 -- restarted worker re-sends them with the same tokens.
--- KEYS[1] the partition's key prefix; ARGV the acknowledged tokens.
-local removed = redis.call('HDEL', KEYS[1] .. ':inflight', unpack(ARGV))
-redis.call('HINCRBY', KEYS[1] .. ':stats', 'published', removed)
+--
+-- Each acknowledged record is counted, at this moment and not before, into the tallies
+-- of the consumer's adversary test: ':truth:<epoch>' (public codes|true sensitive codes)
+-- and ':shown:<epoch>' (public codes|published codes), so both describe exactly the
+-- records published, however long a pause held others back. An epoch lasts the
+-- retention period; the current and the previous one are kept, older ones dropped, and
+-- each expires by itself two periods after its last write, so exact tallies never
+-- outlive their use even if no worker runs.
+--
+-- KEYS[1] the partition's key prefix; ARGV now_ms, retention (ms), then the tokens.
+local base = KEYS[1]
+local k_inflight, k_stats = base .. ':inflight', base .. ':stats'
+local now, retention = tonumber(ARGV[1]), tonumber(ARGV[2])
+local epoch = math.floor(now / retention)
+local last = tonumber(redis.call('HGET', k_stats, 'truth_epoch') or epoch)
+for old = last - 1, math.min(last, epoch - 2) do
+  redis.call('UNLINK', base .. ':truth:' .. old, base .. ':shown:' .. old)
+end
+redis.call('HSET', k_stats, 'truth_epoch', math.max(epoch, last))
+local k_truth, k_shown = base .. ':truth:' .. epoch, base .. ':shown:' .. epoch
+
+local tokens = {unpack(ARGV, 3)}
+local entries = redis.call('HMGET', k_inflight, unpack(tokens))
+local removed = 0
+for _, entry in ipairs(entries) do
+  if entry then
+    local public, published, true_values = string.match(entry, '^([^|]*)|([^|]*)|[^|]*|([^|]*)|')
+    redis.call('HINCRBY', k_truth, public .. '|' .. true_values, 1)
+    redis.call('HINCRBY', k_shown, public .. '|' .. published, 1)
+    removed = removed + 1
+  end
+end
+if removed > 0 then
+  redis.call('HDEL', k_inflight, unpack(tokens))
+  redis.call('PEXPIRE', k_truth, 2 * retention)
+  redis.call('PEXPIRE', k_shown, 2 * retention)
+end
+redis.call('HINCRBY', k_stats, 'published', removed)
+redis.call('HSET', k_stats, 'in_flight', redis.call('HLEN', k_inflight))
 return removed

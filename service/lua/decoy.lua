@@ -5,28 +5,41 @@
 --
 -- KEYS[1]  the partition's key prefix, "splu:{<stream>:<partition>}"; every key below
 --          extends it, so one Redis Cluster hash slot holds them all.
--- ARGV     now_ms, max_wait_ms, gamma, w (sensitive attributes), seed, dedup window
---          (ms), record ttl (ms, 0: none), n, then one argument per record: id (32 hex digits), digest (8 bytes),
---          then "public codes|values|draws|raw offset|dedup key" (codes comma-separated).
--- Returns  the number of pending records, the pool size, then position and status of
+-- ARGV     now_ms, max_wait_ms, gamma, w (sensitive attributes), seed, record ttl (ms,
+--          0: none), n, then one argument per record: id (32 hex digits), fingerprint
+--          (ingest.lua), then "public codes|values|draws|raw offset" (codes
+--          comma-separated).
+-- Returns  the number of records waiting, the pool size, then position and status of
 --          each record not stored anew (1 redelivered, 2 id reused with other content).
 --
--- Keys: :d:<window> dedup key -> digest, :off highest raw offset stored (ingest.lua); :rec id -> msgpack {arrival, public, values, draws,
--- published, pending, group values}; :t arrival index; :b:<a>:<v> bucket of attribute a,
--- value v (members are ids, score 0, so ZPOPMIN takes the smallest random id); :n:<a>
--- value -> bucket size; :pool entry -> time, an entry being "public|published|group
--- number:values|arrival|id" (group number, values and arrival stay inside, for audits
--- and the delay histogram; the emitter publishes only the first two fields); :stats
--- counters; :sup "<a>:<v>" -> suppressed; :truth "public|true values" -> records
--- pooled, the producer-side truth the consumer's adversary simulation scores against.
+-- Keys: :seen and :off (ingest.lua); :rec id -> msgpack {arrival, public, values, draws,
+-- published, attributes still to group, audit per attribute, group number per
+-- attribute}; :t arrival index of records still waiting for a group; :b:<a>:<v> bucket
+-- of attribute a, value v (members are ids, score 0, so ZPOPMIN takes the smallest
+-- random id); :n:<a> value -> bucket size; :grp:<number> a group that is not sealed yet
+-- (below); :hole:<a>:<v> groups missing a member of value v of attribute a; :pool entry
+-- -> time, an entry being "public|published|audit|true values|arrival|id" (audit: the
+-- group's number and values per attribute; the emitter publishes only the first two
+-- fields); :stats counters and gauges; :sup "<a>:<v>" -> suppressed.
+--
+-- Group integrity. A published count is Binomial(γf, 1/γ) only if every group that
+-- publishes any member publishes all γ of them. With several sensitive attributes a
+-- record can be grouped on one attribute and still wait on another, and be suppressed
+-- there. So a record enters the pool only once every group it belongs to is *sealed*:
+-- all its members are grouped on every attribute (a record that is, can no longer be
+-- suppressed). A group with a member still waiting is kept in :grp:<number> (members,
+-- values, `open` = members not done plus holes). When a waiting member is suppressed,
+-- its place becomes a hole, filled by the next record of the same value of that
+-- attribute: the smallest id of its bucket now, or the next arrival. Until then the
+-- group's members wait (they show as held); a group never publishes short.
 
 local base = KEYS[1]
 local now, max_wait, gamma = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local w, seed, window, ttl = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7])
-local n = tonumber(ARGV[8])
+local w, seed, ttl = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
+local n = tonumber(ARGV[7])
 local k_rec, k_time = base .. ':rec', base .. ':t'
 local k_pool, k_stats, k_sup = base .. ':pool', base .. ':stats', base .. ':sup'
-local k_truth = base .. ':truth'
+local k_open, k_holes = base .. ':open', base .. ':holes'
 
 local function split(text)
   local out = {}
@@ -34,66 +47,156 @@ local function split(text)
   return out
 end
 
-open_dedup(base, k_stats, now, window)
+local function numeric(x, y)
+  return tonumber(x) < tonumber(y)
+end
+
+local function bucket_key(a, v) return base .. ':b:' .. a .. ':' .. v end
+local function group_key(number) return base .. ':grp:' .. number end
+local function hole_key(a, v) return base .. ':hole:' .. a .. ':' .. v end
+
+local records = {}  -- id -> record, read and written once per call
+local dirty = {}
+local function load(id)
+  local record = records[id]
+  if record == nil then
+    record = cmsgpack.unpack(redis.call('HGET', k_rec, id))
+    records[id] = record
+  end
+  return record
+end
+
+local pooled, refills = 0, 0
+local function finish(id, record)
+  local entry = record[2] .. '|' .. table.concat(record[5], ',') .. '|'
+    .. table.concat(record[7], ';') .. '|' .. table.concat(record[3], ',') .. '|'
+    .. record[1] .. '|' .. id
+  redis.call('ZADD', k_pool, now, entry)
+  redis.call('HDEL', k_rec, id)
+  records[id], dirty[id] = nil, nil
+  pooled = pooled + 1
+end
+
+local function sealed(record)
+  for a = 1, w do
+    if redis.call('EXISTS', group_key(record[8][a])) == 1 then return false end
+  end
+  return true
+end
+
+-- A record that is grouped on every attribute leaves for the pool once all its groups
+-- are sealed.
+local function try_pool(id)
+  local record = records[id] or load(id)
+  if record[6] == 0 and sealed(record) then finish(id, record) end
+end
+
+local function members_of(number)
+  return split(redis.call('HGET', group_key(number), 'members'))
+end
+
+local seal_queue = {}
+local function close_slot(number)
+  if redis.call('HINCRBY', group_key(number), 'open', -1) == 0 then
+    seal_queue[#seal_queue + 1] = {number, members_of(number)}
+    redis.call('DEL', group_key(number))
+    redis.call('SREM', k_open, number)
+  end
+end
+
+-- A record grouped on its last attribute: it can no longer be suppressed, so each of its
+-- other open groups has one member fewer to wait for.
+local function completed(id, record, except)
+  redis.call('ZREM', k_time, id)
+  for a = 1, w do
+    if record[8][a] ~= except and redis.call('EXISTS', group_key(record[8][a])) == 1 then
+      close_slot(record[8][a])
+    end
+  end
+end
+
+-- Each member publishes its group's (sorted) value at its own keyed draw index. The
+-- audit keeps the group's number in this partition and its values.
+local function assign(id, a, values, number)
+  local record = load(id)
+  record[5][a] = values[record[4][a] + 1]
+  record[7][a] = number .. ':' .. table.concat(values, ',')
+  record[8][a] = number
+  record[6] = record[6] - 1
+  dirty[id] = true
+  return record
+end
+
+local function drain_seals()
+  while #seal_queue > 0 do
+    local sealed_group = table.remove(seal_queue)
+    for _, member in ipairs(sealed_group[2]) do
+      if records[member] or redis.call('HEXISTS', k_rec, member) == 1 then
+        try_pool(member)
+      end
+    end
+  end
+end
+
+-- A record takes a hole's place in an open group: it publishes the group's value at its
+-- own draw index, and the group waits for it as it waited for the member it replaces.
+local function fill(id, a, number)
+  number = tonumber(number)
+  local key = group_key(number)
+  local values = split(redis.call('HGET', key, 'values'))
+  local record = assign(id, a, values, number)
+  refills = refills + 1
+  local members = redis.call('HGET', key, 'members')
+  redis.call('HSET', key, 'members', members == '' and id or members .. ',' .. id)
+  if record[6] == 0 then
+    completed(id, record, number)
+    close_slot(number)
+    drain_seals()
+  end
+end
+
+local function add_to_bucket(id, a, v)
+  redis.call('ZADD', bucket_key(a, v), 0, id)
+  redis.call('HINCRBY', base .. ':n:' .. a, v, 1)
+end
+
+open_dedup(base, n, 7)
+local any_holes = redis.call('SCARD', k_holes) > 0
 local added = 0
 for r = 1, n do
-  local id, digest, fields = parse(ARGV[8 + r], 5)
-  if first_seen(r, fields[5], digest, fields[4]) then
+  local id, fingerprint, fields = parse(ARGV[7 + r], 4)
+  -- HSETNX: an id stored twice would count twice in its buckets, and a cut would then
+  -- pop an empty bucket.
+  local fresh = first_seen(r, fingerprint, fields[4])
+  if fresh and (records[id] or redis.call('HEXISTS', k_rec, id) == 1) then
+    status[#status + 1] = r
+    status[#status + 1] = 1
+    redelivered = redelivered + 1
+  elseif fresh then
     local public, values, draws = fields[1], split(fields[2]), split(fields[3])
-    for a = 1, w do
-      draws[a] = tonumber(draws[a])
-      redis.call('ZADD', base .. ':b:' .. a .. ':' .. values[a], 0, id)
-      redis.call('HINCRBY', base .. ':n:' .. a, values[a], 1)
-    end
-    redis.call('HSET', k_rec, id, cmsgpack.pack({now, public, values, draws, {}, w, {}}))
+    for a = 1, w do draws[a] = tonumber(draws[a]) end
+    local record = {now, public, values, draws, {}, w, {}, {}}
+    records[id], dirty[id] = record, true
     redis.call('ZADD', k_time, now, id)
+    for a = 1, w do
+      local number = any_holes and redis.call('LPOP', hole_key(a, values[a]))
+      if number then
+        if redis.call('LLEN', hole_key(a, values[a])) == 0 then
+          redis.call('SREM', k_holes, a .. ':' .. values[a])
+        end
+        fill(id, a, number)
+      else
+        add_to_bucket(id, a, values[a])
+      end
+    end
     added = added + 1
   end
 end
 
 -- Keyed uniforms: SHA-1 of a secret per-partition seed and a persistent counter, so
 -- no two cuts reuse randomness and a replay of the same state cuts the same groups.
-local counter = tonumber(redis.call('HGET', k_stats, 'draws') or '0')
-local block, position = '', 41
-local function uniform()
-  if position > 33 then
-    counter = counter + 1
-    block = redis.sha1hex(seed .. ':' .. counter)
-    position = 1
-  end
-  local x = tonumber(string.sub(block, position, position + 7), 16)
-  position = position + 8
-  return x / 4294967296
-end
-
-local function numeric(x, y)
-  return tonumber(x) < tonumber(y)
-end
-
-local pooled = 0
-local function finish(id, record)
-  local entry = record[2] .. '|' .. table.concat(record[5], ',') .. '|'
-    .. table.concat(record[7], ';') .. '|' .. record[1] .. '|' .. id
-  redis.call('ZADD', k_pool, now, entry)
-  redis.call('HINCRBY', k_truth, record[2] .. '|' .. table.concat(record[3], ','), 1)
-  redis.call('HDEL', k_rec, id)
-  redis.call('ZREM', k_time, id)
-  pooled = pooled + 1
-end
-
--- Each member publishes its group's (sorted) value at its own keyed draw index. The
--- audit keeps the group's number in this partition and its values.
-local function assign(id, a, values, number)
-  local record = cmsgpack.unpack(redis.call('HGET', k_rec, id))
-  record[5][a] = values[record[4][a] + 1]
-  record[7][a] = number .. ':' .. table.concat(values, ',')
-  record[6] = record[6] - 1
-  if record[6] == 0 then
-    finish(id, record)
-  else
-    redis.call('HSET', k_rec, id, cmsgpack.pack(record))
-  end
-end
+local drawn = tonumber(redis.call('HGET', k_stats, 'draws') or '0')
+local uniform, draws = sha1_uniforms(seed, drawn, 8)
 
 -- Cut groups of gamma distinct values while gamma buckets are non-empty. A value whose
 -- bucket holds at least 1/gamma of the pending records is always taken (skipping it
@@ -139,14 +242,27 @@ local function cut(a)
     table.sort(chosen, numeric)
     local members = {}
     for j, v in ipairs(chosen) do
-      members[j] = redis.call('ZPOPMIN', base .. ':b:' .. a .. ':' .. v)[1]
+      members[j] = redis.call('ZPOPMIN', bucket_key(a, v))[1]
       size[v] = size[v] - 1
       pending = pending - 1
       if size[v] == 0 then nonempty = nonempty - 1 end
     end
     groups = groups + 1
+    local number = numbered + groups
+    local open, done = 0, {}
     for _, id in ipairs(members) do
-      assign(id, a, chosen, numbered + groups)
+      local record = assign(id, a, chosen, number)
+      if record[6] == 0 then done[#done + 1] = id else open = open + 1 end
+    end
+    if open > 0 then
+      redis.call('HSET', group_key(number), 'open', open, 'values', table.concat(chosen, ','),
+        'members', table.concat(members, ','))
+      redis.call('SADD', k_open, number)
+    end
+    for _, id in ipairs(done) do completed(id, records[id], number) end
+    drain_seals()
+    for _, id in ipairs(done) do
+      if records[id] then try_pool(id) end
     end
   end
   for _, v in ipairs(values) do
@@ -164,36 +280,73 @@ if added > 0 then
   end
 end
 
--- Records still waiting after max_wait belong to values over their share (or to the
--- last few values of a quiet stream): suppress them, never publish, count per value.
-local expired = redis.call('ZRANGEBYSCORE', k_time, '-inf', now - max_wait)
-for _, id in ipairs(expired) do
-  local record = cmsgpack.unpack(redis.call('HGET', k_rec, id))
-  for a = 1, w do
-    if record[5][a] == nil then
-      local v = record[3][a]
-      redis.call('ZREM', base .. ':b:' .. a .. ':' .. v, id)
-      if redis.call('HINCRBY', base .. ':n:' .. a, v, -1) <= 0 then
-        redis.call('HDEL', base .. ':n:' .. a, v)
-      end
-      redis.call('HINCRBY', k_sup, a .. ':' .. v, 1)
-    end
-  end
+-- Records still waiting for a group after max_wait belong to values over their share (or
+-- to the last few values of a quiet stream): suppress them, never publish, count per
+-- value. Where such a record was grouped on another attribute already, its place in that
+-- group becomes a hole for the next record of the same value.
+local function suppress(id)
+  local record = load(id)
   redis.call('HDEL', k_rec, id)
   redis.call('ZREM', k_time, id)
+  records[id], dirty[id] = nil, nil
+  for a = 1, w do
+    local v, number = record[3][a], record[8][a]
+    local counts = base .. ':n:' .. a
+    if number == nil then
+      redis.call('ZREM', bucket_key(a, v), id)
+      if redis.call('HINCRBY', counts, v, -1) <= 0 then redis.call('HDEL', counts, v) end
+      redis.call('HINCRBY', k_sup, a .. ':' .. v, 1)
+    else
+      local rest = {}
+      for _, member in ipairs(members_of(number)) do
+        if member ~= id then rest[#rest + 1] = member end
+      end
+      redis.call('HSET', group_key(number), 'members', table.concat(rest, ','))
+      local replacement = redis.call('ZPOPMIN', bucket_key(a, v))[1]
+      if replacement then
+        if redis.call('HINCRBY', counts, v, -1) <= 0 then redis.call('HDEL', counts, v) end
+        fill(replacement, a, number)
+      else
+        redis.call('RPUSH', hole_key(a, v), number)
+        redis.call('SADD', k_holes, a .. ':' .. v)
+      end
+    end
+  end
 end
 
-local buffered = {k_rec, k_time}
+local suppressed = 0
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', k_time, '-inf', now - max_wait)) do
+  -- A replacement taken earlier in this loop may have been grouped on its last attribute.
+  if redis.call('ZSCORE', k_time, id) then
+    suppress(id)
+    suppressed = suppressed + 1
+  end
+end
+
+for id in pairs(dirty) do
+  redis.call('HSET', k_rec, id, cmsgpack.pack(records[id]))
+end
+
+local buffered = {k_rec, k_time, k_open, k_holes}
+for _, number in ipairs(redis.call('SMEMBERS', k_open)) do
+  buffered[#buffered + 1] = group_key(number)
+end
+for _, hole in ipairs(redis.call('SMEMBERS', k_holes)) do
+  buffered[#buffered + 1] = base .. ':hole:' .. hole
+end
 for a = 1, w do
   buffered[#buffered + 1] = base .. ':n:' .. a
   for _, v in ipairs(redis.call('HKEYS', base .. ':n:' .. a)) do
-    buffered[#buffered + 1] = base .. ':b:' .. a .. ':' .. v
+    buffered[#buffered + 1] = bucket_key(a, v)
   end
 end
 expire_with_ttl(ttl, buffered)
 
-redis.call('HSET', k_stats, 'draws', counter)
+local waiting = redis.call('HLEN', k_rec)
+redis.call('HSET', k_stats, 'draws', draws())
+redis.call('HSET', base .. ':waiting', 'held', waiting - redis.call('ZCARD', k_time))
 redis.call('HINCRBY', k_stats, 'groups', groups)
 redis.call('HINCRBY', k_stats, 'pooled', pooled)
-redis.call('HINCRBY', k_stats, 'suppressed', #expired)
-return reply(base, k_stats, added, redis.call('ZCARD', k_time), redis.call('ZCARD', k_pool))
+redis.call('HINCRBY', k_stats, 'suppressed', suppressed)
+redis.call('HINCRBY', k_stats, 'refills', refills)
+return reply(base, k_stats, added, waiting, redis.call('ZCARD', k_pool), ttl)

@@ -1,55 +1,62 @@
 -- Move records from a partition's mixing pool to its in-flight hash for publication.
--- Only the excess over the pool size leaves, drawn at random, so the members of one
--- group are spread over many emissions; a pool whose oldest record is older than the
--- flush interval is emitted whole, so a quiet stream still publishes. Each emission's
--- delay since arrival is counted in :delay (non-cumulative buckets in ms, count, sum_ms).
+--
+-- The mixing rule (SPEC §3, docs/architecture.md): the pool never drops below its floor
+-- of `floor` records; each call releases only the excess over the floor, drawn uniformly
+-- and in uniformly random order; a pool that received nothing for `quiet_ms` (the
+-- stream's end) is released whole, but only if it holds at least the floor. So every
+-- record leaves in a uniformly shuffled take drawn from at least `floor` records, at any
+-- arrival rate; in a slow stream records wait until the floor fills (the delay
+-- histogram in :delay shows what that costs).
+--
+-- The draws come from SHA-1 in counter mode over a 128-bit seed the caller takes fresh
+-- from the operating system for each call: three 48-bit uniforms per SHA-1 block, so no
+-- short internal state limits the orders a take can have, and nobody can search the seed
+-- space to undo a shuffle. Redis's own PRNG (ZRANDMEMBER, math.random) is not used.
 --
 -- KEYS[1]  the partition's key prefix.
--- ARGV     now_ms, pool size to keep, flush_after_ms, most records to move, a fresh
---          random seed for this call's tokens, record ttl (ms, 0: none).
+-- ARGV     now_ms, floor (records), quiet_ms, most records to move as excess, a fresh
+--          random seed (32 hex digits).
 -- Returns  one string, "token entry" lines (entries hold no space or newline), because
 --          one reply parses far faster than two per record.
 
 local base = KEYS[1]
-local k_pool, k_inflight, k_delay = base .. ':pool', base .. ':inflight', base .. ':delay'
-local now, keep, flush_after = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local ttl = tonumber(ARGV[6])
-if ttl > 0 then
-  -- As the buffered records (ingest.lua): pool and in-flight entries expire with them.
-  redis.call('PEXPIRE', k_pool, ttl)
-  redis.call('PEXPIRE', k_inflight, ttl)
-end
+local k_pool, k_inflight = base .. ':pool', base .. ':inflight'
+local k_delay, k_stats = base .. ':delay', base .. ':stats'
+local now, floor, quiet_ms = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local limit, seed = tonumber(ARGV[4]), ARGV[5]
+assert(#seed >= 32, 'the shuffle needs a seed of at least 128 bits')
+
 local size = redis.call('ZCARD', k_pool)
-if size == 0 then return '' end
-local count = size - keep
-local oldest = redis.call('ZRANGE', k_pool, 0, 0, 'WITHSCORES')
-if now - tonumber(oldest[2]) >= flush_after then count = size end
-count = math.min(count, tonumber(ARGV[4]))
-if count <= 0 then return '' end
--- Time from arrival to emission, as a histogram: operators see delays, never per record.
-local bounds = {100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 120000}
-local in_bucket, total_ms = {}, 0
--- ZRANDMEMBER returns the whole set, or any small one, in score order: the order the
--- records entered the pool, which would publish a group's members side by side.
--- Shuffle (Fisher-Yates) with a linear congruential stream seeded from this call's
--- secret random seed: one SHA-1 per take instead of one per record.
-local members = redis.call('ZRANDMEMBER', k_pool, count)
-local state = tonumber(string.sub(redis.sha1hex(ARGV[5] .. ':shuffle'), 1, 8), 16)
-for j = #members, 2, -1 do
-  state = (1664525 * state + 1013904223) % 4294967296
-  local k = math.floor(state / 4294967296 * j) + 1
-  members[j], members[k] = members[k], members[j]
+local count = math.min(size - floor, limit)
+if count <= 0 and size > 0 and size >= floor then
+  local newest = redis.call('ZRANGE', k_pool, -1, -1, 'WITHSCORES')
+  if now - tonumber(newest[2]) >= quiet_ms then count = size end
 end
-local lines = {}
-for j, entry in ipairs(members) do
-  -- 128 bits of SHA-1 of the caller's random seed: unique and unpredictable per record.
-  local token = string.sub(redis.sha1hex(ARGV[5] .. ':' .. j), 1, 32)
-  redis.call('ZREM', k_pool, entry)
+if count <= 0 then return '' end
+
+local uniform = sha1_uniforms(seed, 0, 12)
+
+-- A partial Fisher-Yates shuffle of the whole pool: its first `count` positions are a
+-- uniformly drawn, uniformly ordered sample.
+local members = redis.call('ZRANGE', k_pool, 0, -1)
+for i = 1, count do
+  local j = i + math.floor(uniform() * (size - i + 1))
+  members[i], members[j] = members[j], members[i]
+end
+
+-- Time from arrival to emission, as a histogram: operators see delays, never per record.
+-- DELAY_BOUNDS (ms) is prepended at registration from service.metrics.DELAY_BOUNDS_MS.
+local in_bucket, total_ms, lines, taken = {}, 0, {}, {}
+for j = 1, count do
+  local entry = members[j]
+  -- 128 bits of SHA-1 of the fresh seed: unique and unpredictable per record.
+  local token = string.sub(redis.sha1hex(seed .. ':t:' .. j), 1, 32)
+  taken[j] = entry
   redis.call('HSET', k_inflight, token, entry)
   lines[j] = token .. ' ' .. entry
   local delay = math.max(now - tonumber(string.match(entry, '|(%d+)|[^|]*$')), 0)
   local bucket = '+Inf'
-  for _, bound in ipairs(bounds) do
+  for _, bound in ipairs(DELAY_BOUNDS) do
     if delay <= bound then
       bucket = bound
       break
@@ -58,9 +65,13 @@ for j, entry in ipairs(members) do
   in_bucket[bucket] = (in_bucket[bucket] or 0) + 1
   total_ms = total_ms + delay
 end
+for start = 1, count, 4000 do
+  redis.call('ZREM', k_pool, unpack(taken, start, math.min(start + 3999, count)))
+end
 for bucket, n in pairs(in_bucket) do
   redis.call('HINCRBY', k_delay, bucket, n)
 end
-redis.call('HINCRBY', k_delay, 'count', #lines)
+redis.call('HINCRBY', k_delay, 'count', count)
 redis.call('HINCRBY', k_delay, 'sum_ms', total_ms)
+redis.call('HSET', k_stats, 'pool', size - count, 'in_flight', redis.call('HLEN', k_inflight))
 return table.concat(lines, '\n')

@@ -7,43 +7,50 @@
 --
 -- KEYS[1]  the partition's key prefix, "splu:{<stream>:<partition>}".
 -- ARGV     now_ms, max_wait_ms, release_size, budget (adaptive, conservative or none),
---          fixed budget (conservative), p, m, lambda, delta, partitions, dedup window
---          (ms), record ttl (ms, 0: none), n, then one argument per record: id (32 hex digits), digest (8 bytes),
---          then "public codes|group key|value|perturbed value|raw offset|dedup key".
+--          fixed budget (conservative), p, m, lambda, delta, partitions, record ttl (ms,
+--          0: none), n, then one argument per record: id (32 hex digits), fingerprint
+--          (ingest.lua), then "public codes|group key|value|perturbed value|raw offset".
 -- Returns  the number of buffered records, the pool size, then position and status of
 --          each record not stored anew (1 redelivered, 2 id reused with other content).
 --
--- Keys: :d:<window> dedup, :off highest raw offset stored (ingest.lua); :rec id -> msgpack {arrival, public, group, value, perturbed};
--- :gq group -> arrival of its oldest buffered record; :g:<group>:buf buffered ids;
--- :g:<group>:s true counts (c:<v>), total, trials, copy counters (cc:<v>), borrows;
--- :g:<group>:tr:<v> perturbed values of the trials of original value v;
--- :g:<group>:tv values with trials; :pool entry -> time, an entry being
--- "public|published|t, c or b (trial, copy, borrowed copy)|arrival|id", of which the
--- emitter publishes the first two fields; :stats; :truth "public|true value" ->
--- records pooled (producer-side truth for the consumer's adversary simulation).
+-- Keys: :seen and :off (ingest.lua); :rec id -> msgpack {arrival, public, group, value,
+-- perturbed}; :gq group -> arrival of its oldest buffered record; :g:<group>:buf
+-- buffered ids; :g:<group>:s copy counters (cc:<v>) and borrows; :g:<group>:tr:<v>
+-- perturbed values of the trials of original value v; :g:<group>:tv values with trials;
+-- :gstat "<group>|total", "<group>|trials" and "<group>|c:<v>" (true counts): the
+-- aggregates the consumer's budget test reads, the only group state it may read; :pool
+-- entry -> time, an entry being "public|published|t, c or b (trial, copy, borrowed
+-- copy)|true value|arrival|id", of which the emitter publishes the first two fields;
+-- :stats counters and gauges.
 
 local base = KEYS[1]
 local now, max_wait, release_size = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local budget_mode, fixed_budget = ARGV[4], tonumber(ARGV[5])
 local p, m, lambda, delta = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
-local partitions, window, ttl = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12])
-local n = tonumber(ARGV[13])
-local k_rec, k_queue = base .. ':rec', base .. ':gq'
-local k_pool, k_stats, k_truth = base .. ':pool', base .. ':stats', base .. ':truth'
+local partitions, ttl = tonumber(ARGV[10]), tonumber(ARGV[11])
+local n = tonumber(ARGV[12])
+local k_rec, k_queue, k_gstat = base .. ':rec', base .. ':gq', base .. ':gstat'
+local k_pool, k_stats = base .. ':pool', base .. ':stats'
 
-open_dedup(base, k_stats, now, window)
+open_dedup(base, n, 12)
 local touched, added = {}, 0
 for r = 1, n do
-  local id, digest, fields = parse(ARGV[13 + r], 6)
-  if first_seen(r, fields[6], digest, fields[5]) then
-    local public, group, value, perturbed = fields[1], fields[2], fields[3], fields[4]
-    redis.call('HSET', k_rec, id, cmsgpack.pack({now, public, group, value, perturbed}))
+  local id, fingerprint, fields = parse(ARGV[12 + r], 5)
+  local fresh = first_seen(r, fingerprint, fields[5])
+  -- HSETNX: an id stored twice would be buffered and released twice.
+  if fresh and redis.call('HSETNX', k_rec, id, cmsgpack.pack({now, fields[1], fields[2],
+      fields[3], fields[4]})) == 0 then
+    status[#status + 1] = r
+    status[#status + 1] = 1
+    redelivered = redelivered + 1
+  elseif fresh then
+    local group, value = fields[2], fields[3]
     local g = base .. ':g:' .. group
     if redis.call('RPUSH', g .. ':buf', id) == 1 then
       redis.call('ZADD', k_queue, now, group)
     end
-    redis.call('HINCRBY', g .. ':s', 'total', 1)
-    redis.call('HINCRBY', g .. ':s', 'c:' .. value, 1)
+    redis.call('HINCRBY', k_gstat, group .. '|total', 1)
+    redis.call('HINCRBY', k_gstat, group .. '|c:' .. value, 1)
     touched[group] = true
     added = added + 1
   end
@@ -53,18 +60,16 @@ end
 -- f its largest true frequency (seed 004 Cor. 6), or the conservative f = 1 limit,
 -- split evenly over the partitions: a group's records may arrive on any of them, and
 -- together they must not exceed s_g.
-local function budget(g)
+local function budget(group)
   if budget_mode == 'none' then return math.huge end
   if budget_mode == 'conservative' then return fixed_budget end
-  local flat = redis.call('HGETALL', g .. ':s')
-  local total, largest = 0, 0
-  for j = 1, #flat, 2 do
-    local c = tonumber(flat[j + 1])
-    if flat[j] == 'total' then
-      total = c
-    elseif string.sub(flat[j], 1, 2) == 'c:' and c > largest then
-      largest = c
-    end
+  local fields = {group .. '|total'}
+  for v = 0, m - 1 do fields[#fields + 1] = group .. '|c:' .. v end
+  local counts = redis.call('HMGET', k_gstat, unpack(fields))
+  local total, largest = tonumber(counts[1]), 0
+  for j = 2, #counts do
+    local c = tonumber(counts[j] or '0')
+    if c > largest then largest = c end
   end
   local f = largest / total
   local limit = -2 * (f * p + (1 - p) / m) * math.log(delta) / (lambda * p * f) ^ 2
@@ -77,8 +82,8 @@ local function release(group)
   local ids = redis.call('LRANGE', g .. ':buf', 0, -1)
   redis.call('DEL', g .. ':buf')
   redis.call('ZREM', k_queue, group)
-  local limit = budget(g)
-  local trials = tonumber(redis.call('HGET', g .. ':s', 'trials') or '0')
+  local limit = budget(group)
+  local trials = tonumber(redis.call('HGET', k_gstat, group .. '|trials') or '0')
   for _, id in ipairs(ids) do
     local record = cmsgpack.unpack(redis.call('HGET', k_rec, id))
     local value, out, kind = record[4], record[5], 't'
@@ -105,13 +110,13 @@ local function release(group)
       out = redis.call('LINDEX', list, turn % redis.call('LLEN', list))
       copies = copies + 1
     end
-    local entry = record[2] .. '|' .. out .. '|' .. kind .. '|' .. record[1] .. '|' .. id
+    local entry = record[2] .. '|' .. out .. '|' .. kind .. '|' .. value .. '|' .. record[1]
+      .. '|' .. id
     redis.call('ZADD', k_pool, now, entry)
-    redis.call('HINCRBY', k_truth, record[2] .. '|' .. record[4], 1)
     redis.call('HDEL', k_rec, id)
     pooled = pooled + 1
   end
-  redis.call('HSET', g .. ':s', 'trials', trials)
+  redis.call('HSET', k_gstat, group .. '|trials', trials)
   released = released + 1
 end
 
@@ -137,4 +142,4 @@ redis.call('HINCRBY', k_stats, 'pooled', pooled)
 redis.call('HINCRBY', k_stats, 'trials', trials_used)
 redis.call('HINCRBY', k_stats, 'copies', copies)
 redis.call('HINCRBY', k_stats, 'borrowed', borrowed)
-return reply(base, k_stats, added, redis.call('HLEN', k_rec), redis.call('ZCARD', k_pool))
+return reply(base, k_stats, added, redis.call('HLEN', k_rec), redis.call('ZCARD', k_pool), ttl)

@@ -6,9 +6,9 @@
 --          extends it, so one Redis Cluster hash slot holds them all.
 -- ARGV[1]  the step:
 --
--- "ingest" now_ms, window (records), max_window_wait (ms), dedup window (ms), record ttl
---          (ms, 0: none), n, then one argument per record: id (32 hex digits), digest
---          (8 bytes), then "public codes|sensitive codes|raw offset|dedup key".
+-- "ingest" now_ms, window (records), max_window_wait (ms), record ttl (ms, 0: none), n,
+--          then one argument per record: id (32 hex digits), fingerprint (ingest.lua),
+--          then "public codes|sensitive codes|raw offset".
 --          Stores the new records idempotently in the open window; the open window
 --          closes when it is full or, at the start of a call (a tick has no records),
 --          when its first record came max_window_wait ago.
@@ -23,13 +23,13 @@
 --          was nothing to send), so drop the window's records and output and count it.
 --          Returns 1, or 0 if it was finished before (and counts nothing again).
 --
--- Keys: :d:<n> and :off (dedup, ingest.lua); :open id -> "public|sensitive" of the open
+-- Keys: :seen and :off (dedup, ingest.lua); :open id -> "public|sensitive" of the open
 -- window; :w:<number> the same for a closed window; :wq closed windows waiting for
 -- publication (member and score: the window number); :wout:<number> the staged output;
 -- :stats counters (ingested, redelivered, replayed, conflicts, rejected, windows (the
 -- last window number), closed_full, closed_wait, windows_published, windows_suppressed,
 -- published (rows), side (side messages), suppressed (records)), opened (ms the open
--- window received its first record), dedup_window.
+-- window received its first record), and the gauges of ingest.lua.
 
 local base = KEYS[1]
 local step = ARGV[1]
@@ -69,9 +69,9 @@ end
 
 assert(step == 'ingest', 'unknown step')
 local now, size, max_wait = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local window, ttl, n = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local ttl, n = tonumber(ARGV[5]), tonumber(ARGV[6])
 
-open_dedup(base, k_stats, now, window)
+open_dedup(base, n, 6)
 local count = redis.call('HLEN', k_open)
 local opened = tonumber(redis.call('HGET', k_stats, 'opened') or now)
 
@@ -91,10 +91,9 @@ end
 
 local added = 0
 for r = 1, n do
-  local id, digest, fields = parse(ARGV[7 + r], 4)
-  if first_seen(r, fields[4], digest, fields[3]) then
-    -- A record id reused after the dedup window, while its first copy is still open,
-    -- is the same record: it is kept once.
+  local id, fingerprint, fields = parse(ARGV[6 + r], 3)
+  if first_seen(r, fingerprint, fields[3]) then
+    -- HSETNX: an id stored twice would be published twice.
     if redis.call('HSETNX', k_open, id, fields[1] .. '|' .. fields[2]) == 1 then
       if count == 0 then
         redis.call('HSET', k_stats, 'opened', now)
@@ -121,4 +120,4 @@ for _, number in ipairs(queued) do
   keys[#keys + 1] = output_key(number)
 end
 expire_with_ttl(ttl, keys)
-return reply(base, k_stats, added, buffered, #queued)
+return reply(base, k_stats, added, buffered, #queued, ttl)

@@ -1,0 +1,20 @@
+-- Uniforms in [0, 1) from SHA-1 in counter mode, prepended to the scripts that draw
+-- (decoy.lua: keyed cuts; emit.lua: each take's shuffle). Block k is
+-- sha1hex(seed .. ':' .. k), k = start + 1, start + 2, ..., cut into slices of `digits`
+-- hex digits (8: 32-bit uniforms, 12: 48-bit), the rest of a block unused.
+-- Returns the generator and a function giving the last block number used.
+local function sha1_uniforms(seed, start, digits)
+  local counter, block, position = start, '', 41
+  local scale = 16 ^ digits
+  local function uniform()
+    if position > 41 - digits then
+      counter = counter + 1
+      block = redis.sha1hex(seed .. ':' .. counter)
+      position = 1
+    end
+    local x = tonumber(string.sub(block, position, position + digits - 1), 16)
+    position = position + digits
+    return x / scale
+  end
+  return uniform, function() return counter end
+end
