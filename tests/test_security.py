@@ -10,8 +10,12 @@ a sensitive domain of unique marker labels. Then:
   records, appears in either log;
 - the published topic carries only the schema's attributes under a token key,
   no headers;
+- the consumer (the web-facing process) cannot read a record, a pool or
+  in-flight entry or a fingerprint, only counters and aggregates; neither user
+  may MONITOR or read the SLOWLOG, and the server keeps no slow log;
 - once everything is published, Redis holds no raw record: no record hash,
-  pool or in-flight entry, only counters, aggregates and keyed digests.
+  pool or in-flight entry, only counters, aggregates, keyed fingerprints and the
+  adversary test's tallies, which expire by themselves.
 """
 
 from __future__ import annotations
@@ -39,8 +43,8 @@ from aiokafka import AIOKafkaConsumer
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoPermissionError
 
-from deploy.embedded import RedisServer, free_port, spawn_consumer, spawn_worker
-from service.buffer import BufferState, acl_rules, connect
+from deploy.embedded import RedisServer, free_port, service_user_envs, spawn_consumer, spawn_worker
+from service.buffer import BufferState, connect
 from service.config import ConfigError, load_config
 from service.table import open_sample
 from streams import client
@@ -53,8 +57,10 @@ EXAMPLES = Path(__file__).parents[1] / "deploy" / "examples"
 RECORDS = 3000
 TIMEOUT = 120.0
 # What may remain of a partition once everything is published: counters, aggregates,
-# the keyed dedup index and the offset watermark.
-LEFT_BEHIND = {"stats", "truth", "delay", "sup", "off", "d"}
+# gauges, the keyed fingerprints, the offset watermark and the adversary test's tallies.
+LEFT_BEHIND = {"stats", "waiting", "delay", "sup", "off", "seen", "truth", "shown"}
+EXPIRING = {"truth", "shown"}
+READ_RECORDS = "return redis.call('HGETALL', KEYS[1])"  # a script runs under its caller's ACL
 
 
 def marker_config(directory: Path, redis_url: str, kafka: str) -> tuple[Path, dict[str, str]]:
@@ -122,24 +128,11 @@ def test_least_privilege_no_raw_values_in_logs_or_left_in_redis(servers, tmp_pat
     redis_server.start()
     config_path, markers = marker_config(tmp_path, redis_server.url, servers.kafka_bootstrap)
     config = load_config(config_path)
-    passwords = {role: secrets.token_hex(16) for role in ("worker", "consumer")}
-
-    async def create_users() -> None:
-        admin = aioredis.from_url(redis_server.url)
-        for role, password in passwords.items():
-            rules = acl_rules(config, role).split()
-            await admin.execute_command("ACL", "SETUSER", f"splu-{role}", *rules, f">{password}")
-        await admin.aclose()
-
-    asyncio.run(create_users())
     asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
     base_env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "KAFKA_BOOTSTRAP")}
-    env = {
-        role: {**base_env, "SPLU_SERVICE_KEY": secrets.token_hex(32),
-               "REDIS_USERNAME": f"splu-{role}", "REDIS_PASSWORD": password}
-        for role, password in passwords.items()
-    }  # fmt: skip
-    env["consumer"].pop("SPLU_SERVICE_KEY")  # the consumer needs no key
+    env = service_user_envs(config, {**base_env, "SPLU_SERVICE_KEY": secrets.token_hex(32)})
+    assert "SPLU_SERVICE_KEY" not in env["consumer"]  # the consumer needs no key
+    passwords = {role: env[role]["REDIS_PASSWORD"] for role in env}
     logs = {role: tmp_path / f"{role}.log" for role in passwords}
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -153,7 +146,7 @@ def test_least_privilege_no_raw_values_in_logs_or_left_in_redis(servers, tmp_pat
             admin = aioredis.from_url(redis_server.url)
             totals = await BufferState(admin, config).totals()
             await admin.aclose()
-            done = totals.get("published", 0) + totals.get("suppressed", 0)
+            done = totals.get("settled", 0)
             return totals if done == RECORDS and totals["in_flight"] == 0 else None
 
         deadline = time.monotonic() + TIMEOUT
@@ -172,13 +165,12 @@ def test_least_privilege_no_raw_values_in_logs_or_left_in_redis(servers, tmp_pat
         assert totals["rejected"] == len(leaks) + 5
 
         # The restricted users can do their work and nothing else.
-        async def forbidden() -> list[str]:
+        async def forbidden(role: str, commands) -> list[str]:  # type: ignore[no-untyped-def]
             refused = []
             user = aioredis.from_url(
-                redis_server.url, username="splu-worker", password=passwords["worker"]
+                redis_server.url, username=f"splu-{role}", password=passwords[role]
             )
-            for command in (("KEYS", "*"), ("FLUSHALL",), ("CONFIG", "GET", "*"),
-                            ("SET", "splu:{other:0}:x", "1"), ("ACL", "LIST")):  # fmt: skip
+            for command in commands:
                 try:
                     await user.execute_command(*command)
                 except NoPermissionError:
@@ -186,7 +178,30 @@ def test_least_privilege_no_raw_values_in_logs_or_left_in_redis(servers, tmp_pat
             await user.aclose()
             return refused
 
-        assert asyncio.run(forbidden()) == ["KEYS", "FLUSHALL", "CONFIG", "SET", "ACL"]
+        admin_only = (("KEYS", "*"), ("FLUSHALL",), ("CONFIG", "GET", "*"),
+                      ("SET", "splu:{other:0}:x", "1"), ("ACL", "LIST"), ("MONITOR",),
+                      ("SLOWLOG", "GET"))  # fmt: skip
+        for role in passwords:
+            assert asyncio.run(forbidden(role, admin_only)) == [c[0] for c in admin_only]
+        prefix = BufferState(None, config).prefix(0)  # type: ignore[arg-type]
+        records = (("HGETALL", f"{prefix}:rec"), ("ZRANGE", f"{prefix}:pool", "0", "-1"),
+                   ("HGETALL", f"{prefix}:inflight"), ("HGETALL", f"{prefix}:seen"),
+                   ("ZRANGE", f"{prefix}:b:1:0", "0", "-1"), ("HLEN", f"{prefix}:rec"),
+                   ("SCAN", "0"), ("EVAL", READ_RECORDS, "1", f"{prefix}:rec"))  # fmt: skip
+        assert asyncio.run(forbidden("consumer", records)) == [c[0] for c in records]
+        aggregates = (("HGETALL", f"{prefix}:stats"), ("HGETALL", f"{prefix}:sup"),
+                      ("HGETALL", f"{prefix}:delay"), ("HGETALL", f"{prefix}:truth:1"))  # fmt: skip
+        assert asyncio.run(forbidden("consumer", aggregates)) == []
+
+        async def slow_log() -> tuple[list, list]:
+            admin = aioredis.from_url(redis_server.url)
+            entries = await admin.slowlog_get(128)
+            setting = await admin.config_get("slowlog-log-slower-than")
+            await admin.aclose()
+            return entries, setting
+
+        entries, setting = asyncio.run(slow_log())
+        assert entries == [] and setting == {"slowlog-log-slower-than": "-1"}
 
         # Only the schema's attributes, under a 32-hex-digit token, with no headers.
         published = asyncio.run(read_published(config, totals["published"]))
@@ -207,28 +222,34 @@ def test_least_privilege_no_raw_values_in_logs_or_left_in_redis(servers, tmp_pat
         found = [m for m in [*markers.values(), *leaks] if m in text]
         assert not found, f"{role} log holds raw values {found[:3]}"
 
-    # What is left in Redis: no record, pool or in-flight entry; keyed digests only.
-    async def leftovers() -> tuple[set[str], list[bytes]]:
+    # What is left in Redis: no record, pool or in-flight entry; keyed fingerprints, and
+    # tallies that expire.
+    async def leftovers() -> tuple[set[str], list[bytes], list[int]]:
         admin = aioredis.from_url(redis_server.url)
-        kinds, digests = set(), []
+        kinds, digests, expiries = set(), [], []
         for partition in range(config.partitions):
             prefix = BufferState(admin, config).prefix(partition)
             async for key in admin.scan_iter(match=f"{prefix}:*"):
                 kind = key.decode()[len(prefix) + 1 :].split(":")[0]
                 kinds.add(kind)
-                if kind == "d":
-                    digests += list((await admin.hgetall(key)).values())
+                if kind == "seen":
+                    for entries in (await admin.hgetall(key)).values():
+                        digests += [entries[i + 6 : i + 10] for i in range(0, len(entries), 10)]
+                if kind in EXPIRING:
+                    expiries.append(await admin.pttl(key))
         await admin.aclose()
-        return kinds, digests
+        return kinds, digests, expiries
 
-    kinds, digests = asyncio.run(leftovers())
+    kinds, digests, expiries = asyncio.run(leftovers())
     redis_server.stop()
     assert kinds <= LEFT_BEHIND, kinds - LEFT_BEHIND
+    retention = config.reports.truth_retention * 1000
+    assert expiries and all(0 < ttl <= 2 * retention for ttl in expiries)
     # An unkeyed hash of a record's codes could be inverted by trying every possible record.
     unkeyed = {
         hashlib.blake2b(
             np.asarray(config.schema.encode_record(json.loads(value), key), np.int64).tobytes(),
-            digest_size=8,
+            digest_size=4,
         ).digest()
         for key, value in rows(config, markers, [])[:RECORDS]
     }

