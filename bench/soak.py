@@ -11,8 +11,9 @@ each a child process.
   ``service.config.StreamConfig`` has a ``dedup_window`` field, the config sets
   ``stream.dedup_window`` (--dedup-window) and the run is *windowed*: the worker's dedup
   index and the consumer's tokens are kept for one to two windows. Otherwise the run is
-  *unwindowed*: both keep an entry per record for good (Redis then grows by about 56 B
-  per ingested record for the dedup index alone). Which mode ran is printed.
+  *unwindowed*: both keep an entry per record for good (this checkout: a 10-byte
+  fingerprint per ingested record and a 6-byte one per counted token, plus hash
+  overhead). Which mode ran is printed.
 - **records**: the bundled UCI Adult sample resampled with replacement (seed --seed),
   cycled, each record under a unique id (``soak:<n>``), produced at --rate records/s
   for --minutes (``streams.produce.produce``), after both the worker and the consumer
@@ -426,7 +427,8 @@ class Soak:
             status = await fetch_status(self.url, self.work / "consumer.log")
             worker = status["worker"]
             resolved = worker["published"] + worker["suppressed"]
-            if resolved >= feed.total and status["consumer"]["counted"] >= worker["published"]:
+            counted = status["consumer"]["counted"]
+            if worker["settled"] >= feed.total and counted >= worker["published"]:
                 self.drained = time.time()
                 if time.monotonic() - self.last_line >= self.args.interval / 3:
                     await self.line(previous, feed)

@@ -36,7 +36,7 @@ phase on its own stream name, so its topics and Redis keys start empty:
   used_memory before and after ``StreamBuffer.ingest`` stores --buffered records
   from ``Preparer.prepare`` that cannot be grouped (resampled Adult records with
   only γ − 1 distinct occupations, max_wait one hour), divided by their number;
-  ``MEMORY USAGE`` breaks it down by key. The dedup index stays after
+  ``MEMORY USAGE`` breaks it down by key. The fingerprints (:seen) stay after
   publication: the pipeline run's used_memory growth per ingested record is
   reported too.
 
@@ -218,7 +218,7 @@ async def follow_buffer(
         if started is None and counts.get("ingested", 0) > 0:
             started = last_poll or now
         last_poll = now
-        done = counts.get("published", 0) + counts.get("suppressed", 0)
+        done = counts.get("settled", 0)
         status(
             f"in {counts.get('ingested', 0):8,}  buffered {counts.get('pending', 0):6,}  "
             f"pool {counts.get('pool', 0):6,}  published {counts.get('published', 0):8,}  "
@@ -400,8 +400,8 @@ def key_family(key: bytes) -> str:
         "rec": "records (:rec)",
         "t": "arrival index (:t)",
         "b": "value buckets (:b:*)",
-        "d": "dedup index (:d)",
-    }.get(part, "counters (:n:*, :stats)")
+        "seen": "record fingerprints (:seen)",
+    }.get(part, "counters (:n:*, :stats, :waiting)")
 
 
 async def buffer_memory(
