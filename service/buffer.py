@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from importlib import resources
 
 import redis.asyncio as aioredis
+from redis import exceptions as redis_errors
 
 from service.config import StreamConfig
 from service.guarantees import trial_limit
@@ -78,6 +79,35 @@ def acl_rules(config: StreamConfig, role: str) -> str:
 def connect(config: StreamConfig) -> aioredis.Redis:
     """A client for the stream's Redis with its ACL user, password and TLS settings."""
     return aioredis.from_url(config.redis_url, **config.redis_options())
+
+
+class RedisUnavailableError(ConnectionError):
+    """The stream's Redis cannot be used: nothing answers, or it refuses the user."""
+
+
+async def check_redis(config: StreamConfig) -> None:
+    """Raise RedisUnavailableError, one line naming what to change, unless Redis answers
+    the stream's user: a process should not start only to retry forever."""
+    client = connect(config)
+    where = config.redis_url.rpartition("@")[2]
+    try:
+        await client.ping()
+    except redis_errors.AuthenticationError:
+        user = config.redis_username or "default"
+        source = config.redis_password_env or "no password_env"
+        raise RedisUnavailableError(
+            f"Redis at {where} refused user {user!r} with the password from {source}: set "
+            "REDIS_USERNAME and the password variable ([redis] username, password_env)"
+        ) from None
+    except redis_errors.ResponseError as err:
+        raise RedisUnavailableError(f"Redis at {where} refused the stream's user: {err}") from None
+    except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError):
+        raise RedisUnavailableError(
+            f"no Redis answers at {where}: start one (`splu up` runs an embedded one) or set "
+            "REDIS_URL or [redis] url in the stream's config"
+        ) from None
+    finally:
+        await client.aclose()
 
 
 def lua_script(*names: str) -> str:

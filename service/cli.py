@@ -1325,14 +1325,16 @@ def command_produce(args: argparse.Namespace) -> int:
     if args.input == "-" and args.id_column is None:
         raise CommandError("from stdin, name the column holding record ids with --id-column")
     source = None if args.input == "-" else file_digest(Path(args.input))
-    _log(f"splu produce: {args.input} → {config.topics['raw']} at {config.kafka_bootstrap}")
     with _input(args.input) as stream:
         rows = rows_of(stream, config, source, args.id_column)
         try:
             sent = asyncio.run(produce(config, rows, total, args.rate))
         except KafkaError as err:
             raise CommandError(f"cannot produce to {config.kafka_bootstrap}: {err}") from None
-    _log(f"  {sent:,} records acknowledged")
+    _log(
+        f"splu produce: {sent:,} records from {args.input} acknowledged by "
+        f"{config.topics['raw']} at {config.kafka_bootstrap}"
+    )
     return 0
 
 
@@ -1856,7 +1858,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (CommandError, SchemaError, QueryError, ValueError) as err:
+    # ConnectionError: a broker or Redis that does not answer or refuses the stream's user.
+    except (CommandError, SchemaError, QueryError, ValueError, ConnectionError) as err:
         print(f"splu {args.command}: error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

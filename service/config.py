@@ -32,7 +32,7 @@
     [redis]
     url = "redis://redis:6379/0" # REDIS_URL overrides; rediss:// for TLS
     password_env = "REDIS_PASSWORD"
-    username = "splu-worker"     # an ACL user (deploy/redis/users.acl); REDIS_USERNAME overrides
+    username = "splu-worker"     # an ACL user (service.buffer.acl_rules); REDIS_USERNAME overrides
     ca_file = "ca.crt"           # TLS: the CA that signed the server's certificate, and
     cert_file = "client.crt"     # for mutual TLS the client's certificate and key
     key_file = "client.key"      # (paths relative to this file)

@@ -22,6 +22,7 @@ from typing import TextIO
 from aiokafka import AIOKafkaProducer
 
 from service.config import StreamConfig
+from streams.topics import create_topics
 
 BATCH = 1000
 PROGRESS_EVERY = 0.5  # seconds
@@ -60,7 +61,11 @@ async def produce(
     rate: float | None = None,
     progress: bool = True,
 ) -> int:
-    """Send every row to the raw topic; returns how many were acknowledged."""
+    """Send every row to the raw topic; returns how many were acknowledged.
+
+    The stream's topics are created first if missing: a producer asking for the raw
+    topic's metadata would have the broker create it with its default partition count."""
+    await create_topics(config.kafka_bootstrap, config.topic_partitions)
     producer = AIOKafkaProducer(
         bootstrap_servers=config.kafka_bootstrap,
         enable_idempotence=False,
@@ -68,7 +73,11 @@ async def produce(
         linger_ms=5,
         max_batch_size=512 * 1024,
     )
-    await producer.start()
+    try:
+        await producer.start()
+    except BaseException:
+        await producer.stop()
+        raise
     sent, started, shown = 0, time.monotonic(), 0.0
     # Batches of at most a tenth of a second's worth, so a rate is kept smoothly.
     size = min(BATCH, max(1, int(rate / 10))) if rate else BATCH

@@ -3,14 +3,26 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+import logging
+from collections.abc import Coroutine, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any, TypeVar
 
 from aiokafka import errors as kafka_errors
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
+T = TypeVar("T")
 # Copies per partition on a cluster that has the brokers for it.
 REPLICATION = 3
+
+
+class BrokerUnreachableError(ConnectionError):
+    """No Kafka broker answers at a stream's bootstrap address."""
+
+
+class TopicMismatchError(ValueError):
+    """A stream's topic exists with another partition count than its config names."""
 
 
 async def create_topics(bootstrap: str, topics: Mapping[str, int]) -> None:
@@ -24,7 +36,15 @@ async def create_topics(bootstrap: str, topics: Mapping[str, int]) -> None:
     """
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     try:
-        await admin.start()
+        try:
+            # Our one line says it; aiokafka would log each failed connection as well.
+            with _silenced("aiokafka"):
+                await admin.start()
+        except kafka_errors.KafkaConnectionError:
+            raise BrokerUnreachableError(
+                f"no Kafka broker answers at {bootstrap}: start one (`splu up` runs an embedded "
+                "one) or set KAFKA_BOOTSTRAP or [kafka] bootstrap in the stream's config"
+            ) from None
         # All topics: asking for named ones would auto-create them on tansu.
         existing = {t["topic"]: len(t["partitions"]) for t in await admin.describe_topics()}
         wrong = {
@@ -33,9 +53,11 @@ async def create_topics(bootstrap: str, topics: Mapping[str, int]) -> None:
             if name in existing and existing[name] != partitions
         }
         if wrong:
-            raise ValueError(
-                "topics exist with other partition counts: "
-                + ", ".join(f"{n} has {p}, wanted {topics[n]}" for n, p in wrong.items())
+            counts = ", ".join(f"{n} has {p}, wanted {topics[n]}" for n, p in wrong.items())
+            raise TopicMismatchError(
+                f"topics exist with other partition counts ({counts}) at {bootstrap}: set "
+                "stream.partitions to their count, or delete them if they hold nothing you "
+                "need (kafka-topics.sh --delete --topic NAME) and start again"
             )
         brokers = len((await admin.describe_cluster())["brokers"])
         replicas = min(REPLICATION, brokers)
@@ -51,8 +73,20 @@ async def create_topics(bootstrap: str, topics: Mapping[str, int]) -> None:
             raise error(f"creating topic {result['topic']}: {result['error_message']}")
 
 
-def create_topics_sync(bootstrap: str, topics: Mapping[str, int]) -> None:
-    """create_topics for sync callers, in a thread of its own: the caller's thread may
-    already run an event loop (async tests, the stream worker)."""
+@contextmanager
+def _silenced(logger: str) -> Iterator[None]:
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def run_in_thread(step: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine to its end for a sync caller, in a thread of its own: the caller's
+    thread may already run an event loop (async tests), or be about to get one that
+    asyncio.run would leave unset (a Faust worker)."""
     with ThreadPoolExecutor(max_workers=1) as pool:
-        pool.submit(asyncio.run, create_topics(bootstrap, topics)).result()
+        return pool.submit(asyncio.run, step).result()

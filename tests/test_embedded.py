@@ -25,7 +25,7 @@ from deploy.embedded import (
     RedisServer,
     ServerStartError,
 )
-from streams.topics import create_topics, create_topics_sync
+from streams.topics import create_topics, run_in_thread
 
 # Talks to a Redis-protocol server: .ci/run repeats these against Debian's redis-server.
 pytestmark = pytest.mark.redis
@@ -118,9 +118,9 @@ def test_kafka_round_trip_on_a_topic_with_three_partitions(servers: Endpoints) -
 
 def test_an_existing_topic_with_another_partition_count_is_refused(servers: Endpoints) -> None:
     topic = f"embedded-{uuid.uuid4().hex}"
-    create_topics_sync(servers.kafka_bootstrap, {topic: 3})
+    run_in_thread(create_topics(servers.kafka_bootstrap, {topic: 3}))
     with pytest.raises(ValueError, match=f"{topic} has 3, wanted 2"):
-        create_topics_sync(servers.kafka_bootstrap, {topic: 2})
+        run_in_thread(create_topics(servers.kafka_bootstrap, {topic: 2}))
 
 
 def test_redis_answers(servers: Endpoints) -> None:
