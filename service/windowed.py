@@ -260,7 +260,8 @@ class WindowState(BufferState):
     async def stats(self, partition: int) -> dict[str, int]:
         """Counters of one partition, plus `open` (records in the open window), `queued`
         (records in closed windows not yet finished), `waiting` (those windows),
-        `staged` (windows with a staged output) and `pending` (open + queued)."""
+        `staged` (windows with a staged output), `pending` (open + queued) and `settled`
+        (published or suppressed: a windowed stream has no mixing pool)."""
         prefix = self.prefix(partition)
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.hgetall(f"{prefix}:stats")
@@ -278,6 +279,7 @@ class WindowState(BufferState):
         out.update(
             open=open_records, queued=queued, waiting=len(waiting), staged=sum(sizes[1::2]),
             pending=open_records + queued,
+            settled=out.get("published", 0) + out.get("suppressed", 0),
         )  # fmt: skip
         return out
 

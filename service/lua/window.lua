@@ -120,4 +120,5 @@ for _, number in ipairs(queued) do
   keys[#keys + 1] = output_key(number)
 end
 expire_with_ttl(ttl, keys)
-return reply(base, k_stats, added, buffered, #queued, ttl)
+-- No mixing pool: a window's records stay buffered until the window is published whole.
+return reply(base, k_stats, added, buffered, 0, ttl)
