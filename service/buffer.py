@@ -85,6 +85,10 @@ class RedisUnavailableError(ConnectionError):
     """The stream's Redis cannot be used: nothing answers, or it refuses the user."""
 
 
+class RedisRefusedError(RedisUnavailableError):
+    """Redis answers but refuses the stream's user: waiting will not help."""
+
+
 async def check_redis(config: StreamConfig) -> None:
     """Raise RedisUnavailableError, one line naming what to change, unless Redis answers
     the stream's user: a process should not start only to retry forever."""
@@ -95,12 +99,12 @@ async def check_redis(config: StreamConfig) -> None:
     except redis_errors.AuthenticationError:
         user = config.redis_username or "default"
         source = config.redis_password_env or "no password_env"
-        raise RedisUnavailableError(
+        raise RedisRefusedError(
             f"Redis at {where} refused user {user!r} with the password from {source}: set "
             "REDIS_USERNAME and the password variable ([redis] username, password_env)"
         ) from None
     except redis_errors.ResponseError as err:
-        raise RedisUnavailableError(f"Redis at {where} refused the stream's user: {err}") from None
+        raise RedisRefusedError(f"Redis at {where} refused the stream's user: {err}") from None
     except (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError):
         raise RedisUnavailableError(
             f"no Redis answers at {where}: start one (`splu up` runs an embedded one) or set "

@@ -3,23 +3,38 @@
 from __future__ import annotations
 
 import tempfile
+import time
 from pathlib import Path
 
 import faust
 
-from service.buffer import check_redis
+from service.buffer import RedisRefusedError, RedisUnavailableError, check_redis
 from service.config import StreamConfig
 from streams.app import create_app
 from streams.consumer import create_consumer_app
-from streams.topics import create_topics, run_in_thread
+from streams.topics import BrokerUnreachableError, create_topics, run_in_thread
 from streams.windowed import create_windowed_app
+
+# Seconds a starting worker or consumer waits for a broker or Redis that is restarting.
+STARTUP_PATIENCE = 5.0
 
 
 def ensure_ready(config: StreamConfig) -> None:
     """Create the stream's four topics with its partition count, if missing, and check that
-    Redis answers the stream's user: errors here are one line, not a retry loop."""
-    run_in_thread(create_topics(config.kafka_bootstrap, config.topic_partitions))
-    run_in_thread(check_redis(config))
+    Redis answers the stream's user: errors here are one line, not a retry loop. A server
+    that is restarting gets STARTUP_PATIENCE seconds to come back; a refusal fails at once."""
+    deadline = time.monotonic() + STARTUP_PATIENCE
+    while True:
+        try:
+            run_in_thread(create_topics(config.kafka_bootstrap, config.topic_partitions))
+            run_in_thread(check_redis(config))
+            return
+        except RedisRefusedError:
+            raise
+        except (BrokerUnreachableError, RedisUnavailableError):
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.5)
 
 
 def run_worker(config: StreamConfig, loglevel: str = "warning") -> None:
