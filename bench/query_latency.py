@@ -72,6 +72,7 @@ from aiokafka.producer.message_accumulator import BatchBuilder
 from report import Result, log, print_table
 
 from deploy.embedded import EmbeddedServers, ManagedProcess, free_port, spawn_consumer
+from service import client
 from service.buffer import connect
 from service.config import StreamConfig, load_config
 from service.mechanisms.decoy import DecoyGroups
@@ -79,7 +80,6 @@ from service.prf import ServiceKey, random_ids
 from service.reconstruct import Estimate, PublishedCells, Query, Reconstruction
 from service.running_counts import RunningCounts, stream_reconstruction
 from service.table import Table, open_sample, read_table
-from streams import client
 from streams.topics import create_topics
 
 EXAMPLE = "adult-decoy.toml"

@@ -119,11 +119,11 @@ from deploy.embedded import (
     stream_env,
 )
 from service.buffer import BufferState
+from service.client import ConsumerError
+from service.client import status as consumer_status
 from service.config import StreamConfig, load_config
 from service.metrics import histogram_quantile
 from service.running_counts import RunningCounts
-from streams.client import ConsumerError
-from streams.client import status as consumer_status
 from streams.produce import produce
 from streams.topics import create_topics
 

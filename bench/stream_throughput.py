@@ -14,7 +14,7 @@ phase on its own stream name, so its topics and Redis keys start empty:
   and one agent that sends every raw event to the output topic, one ``send`` per
   record, no Redis. It runs as a child process (this file with
   --run-passthrough-worker).
-- **pipeline**: ``splu worker`` (``python -m service.cli worker``) with a fresh
+- **pipeline**: ``splu worker`` (``python -m streams.cli worker``) with a fresh
   service key, max_wait --max-wait and flush_interval 2 s.
 - **sustained throughput**: all records are produced to the raw topic first
   (``streams.produce.produce``), then the worker starts; throughput is N / (last

@@ -325,7 +325,7 @@ def spawn_worker(
     loglevel: str = "warn",
 ) -> ManagedProcess:
     """Start `splu worker --config config_path` as spawn() starts a command."""
-    command = [sys.executable, "-m", "service.cli", "worker", "--config", str(config_path)]
+    command = [sys.executable, "-m", "streams.cli", "worker", "--config", str(config_path)]
     return spawn([*command, "--loglevel", loglevel], env, log_path)
 
 
@@ -337,7 +337,7 @@ def spawn_consumer(
     loglevel: str = "warn",
 ) -> ManagedProcess:
     """Start `splu consumer --config config_path --port port` on loopback, as spawn() does."""
-    command = [sys.executable, "-m", "service.cli", "consumer", "--config", str(config_path)]
+    command = [sys.executable, "-m", "streams.cli", "consumer", "--config", str(config_path)]
     options = ["--host", "127.0.0.1", "--port", str(port), "--loglevel", loglevel]
     return spawn([*command, *options], env, log_path)
 

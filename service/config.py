@@ -96,9 +96,11 @@ from pathlib import Path
 from typing import Any
 
 from service.guarantees import check_reconstruction_parameters, trial_limit
+from service.mechanisms.fprivacy import METHODS as BUCKET_METHODS
 from service.mechanisms.personal import BUDGETS
 from service.merge import ValueMap
 from service.prf import KEY_BYTES, ServiceKey
+from service.publication import COUNT_COLUMN, DEFAULTS, EXTRA_COLUMN, MECHANISM_OPTIONS
 from service.schema import Schema, SchemaError, read_toml
 
 MECHANISMS = ("decoy", "personal", "windowed")
@@ -138,7 +140,7 @@ class WindowedSettings:
     """A batch mechanism run on windows of the stream (`service/windowed.py`).
 
     `options` holds the mechanism's options under the names of `splu publish`
-    (`service.cli.MECHANISM_OPTIONS`), checked, with its defaults filled in; ρ, θ and
+    (`service.publication.MECHANISM_OPTIONS`), checked, with its defaults filled in; ρ, θ and
     β as exact Fractions.
     """
 
@@ -574,11 +576,6 @@ def _exact(table: _Reader, key: str, default: Fraction) -> Fraction:
 def _windowed_settings(
     source: str, document: Mapping[str, Any], schema: Schema
 ) -> WindowedSettings:
-    # Late imports: the option names and defaults are those of `splu publish`, and
-    # service.cli imports this module.
-    from service.cli import COUNT_COLUMN, DEFAULTS, EXTRA_COLUMN, MECHANISM_OPTIONS
-    from service.mechanisms.fprivacy import METHODS as BUCKET_METHODS
-
     table = _table(source, document, "windowed", required=True)
     assert table is not None
     mechanism = table.text("mechanism", choices=WINDOWED_MECHANISMS)

@@ -3,8 +3,8 @@
 A stream with ``stream.mechanism = "windowed"`` cuts each raw partition into
 *windows* of ``windowed.window`` records and publishes every window with one of
 the batch mechanisms of ``splu publish``: ``sdr``, ``fprivacy``, ``anatomy``,
-``dbr`` or ``global`` (`service.cli.BATCH_PUBLISHERS`, the very code the CLI
-runs, with the same option names and defaults). The worker is
+``dbr`` or ``global`` (`service.publication.BATCH_PUBLISHERS`, the very code the
+CLI runs, with the same option names and defaults). The worker is
 `streams/windowed.py`; this module holds its Redis buffer and the pure function
 that turns a window into messages, `render_window`.
 
@@ -97,10 +97,10 @@ import numpy as np
 import redis.asyncio as aioredis
 
 from service.buffer import BufferState, IngestOutcome, lua_script
-from service.cli import BATCH_PUBLISHERS, EXTRA_COLUMN, CommandError
 from service.config import StreamConfig, WindowedSettings
 from service.ingest import PreparedBatch, Preparer, RawMessage
 from service.prf import ServiceKey
+from service.publication import BATCH_PUBLISHERS, EXTRA_COLUMN
 from service.schema import Schema
 from service.table import Table
 
@@ -180,13 +180,13 @@ def render_window(
     table, ids = window_table(schema, records)
     captured = io.StringIO()
     try:
-        # The CLI's publishers report on stderr; here that goes to the worker's log.
+        # The publishers report on stderr; here that goes to the worker's log.
         with contextlib.redirect_stderr(captured):
             batch = BATCH_PUBLISHERS[settings.mechanism](
                 dict(settings.options), table, ids, window_key(key, partition, number)
             )
-    except (CommandError, ValueError) as err:
-        # The CLI names its flags (--gamma); a worker's log names the configuration.
+    except ValueError as err:
+        # The publishers name the CLI's flags (--gamma); a worker's log names the configuration.
         output.reason = re.sub(
             r"--([a-z][a-z-]*)", lambda m: "windowed." + m[1].replace("-", "_"), str(err)
         )

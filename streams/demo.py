@@ -33,11 +33,11 @@ from deploy.embedded import (
     spawn_worker,
     stream_env,
 )
+from service import client
 from service.buffer import BufferState, connect
 from service.config import StreamConfig, load_config
 from service.reconstruct import DecoyReconstruction, PublishedCells, Query
 from service.table import open_sample, read_table
-from streams import client
 from streams.produce import produce
 from streams.topics import create_topics
 

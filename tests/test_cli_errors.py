@@ -22,7 +22,7 @@ import tomli_w
 from deploy.embedded import free_port
 
 EXAMPLES = Path(__file__).parents[1] / "deploy" / "examples"
-STREAM_COMMAND = [sys.executable, "-m", "service.cli"]
+STREAM_COMMAND = [sys.executable, "-m", "streams.cli"]
 
 
 def write_config(directory: Path, kafka: str, redis_url: str, **stream: object) -> Path:

@@ -23,8 +23,8 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from harness import RECORDS, TIMEOUT, Harness, adult_rows
 
+from service import client
 from service.cli import main
-from streams import client
 from streams.produce import produce
 from streams.topics import create_topics
 

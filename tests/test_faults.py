@@ -43,12 +43,12 @@ from harness import RECORDS, Harness, adult_rows
 from redis.exceptions import RedisError
 
 from deploy.embedded import HOST, RedisServer
+from service import client as consumer_client
 from service.buffer import BufferState, PoolEntry
 from service.config import StreamConfig
 from service.guarantees import trial_limit
 from service.ingest import Preparer, RawMessage
 from service.running_counts import CellCodec, RunningCounts
-from streams import client as consumer_client
 from streams.produce import produce
 from streams.topics import create_topics
 

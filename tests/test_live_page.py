@@ -57,7 +57,7 @@ def test_live_page_renders_every_plot_with_data(tmp_path):
 
     port = free_port()
     demo = subprocess.Popen(
-        [sys.executable, "-m", "service.cli", "demo", "--records", "8000", "--serve",
+        [sys.executable, "-m", "streams.cli", "demo", "--records", "8000", "--serve",
          "--port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},

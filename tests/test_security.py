@@ -44,10 +44,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoPermissionError
 
 from deploy.embedded import RedisServer, free_port, service_user_envs, spawn_consumer, spawn_worker
+from service import client
 from service.buffer import BufferState, connect
 from service.config import ConfigError, load_config
 from service.table import open_sample
-from streams import client
 from streams.produce import produce
 from streams.topics import create_topics
 

@@ -32,9 +32,9 @@ from harness import Harness
 from test_consumer import wait_for
 from test_live_page import CHROMIUM, CHROMIUM_ARGS
 
+from service import client
 from service.config import load_config
 from service.table import open_sample
-from streams import client
 from streams.produce import produce
 from streams.topics import create_topics
 

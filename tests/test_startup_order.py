@@ -49,7 +49,7 @@ def test_produce_before_the_worker_exists_and_the_stream_still_works(servers, tm
         writer.writerows(itertools.islice(reader, RECORDS))
 
     produced = subprocess.run(
-        [sys.executable, "-m", "service.cli", "produce", "--config", str(harness.path),
+        [sys.executable, "-m", "streams.cli", "produce", "--config", str(harness.path),
          "--input", str(source)],
         env=harness.env, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip

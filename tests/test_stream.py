@@ -213,7 +213,7 @@ def test_demo_runs_and_leaves_nothing_behind():
     assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1) == 0
     before = children()
     result = subprocess.run(
-        [sys.executable, "-m", "service.cli", "demo", "--records", "5000"],
+        [sys.executable, "-m", "streams.cli", "demo", "--records", "5000"],
         capture_output=True, text=True, timeout=180, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr

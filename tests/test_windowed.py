@@ -27,10 +27,10 @@ import tomli_w
 from aiokafka import AIOKafkaProducer
 from harness import Harness, adult_rows
 
-from service.cli import DEFAULTS, EXTRA_COLUMN
 from service.config import ConfigError, StreamConfig, WindowedSettings, load_config, parse_config
 from service.ingest import RawMessage
 from service.prf import ServiceKey
+from service.publication import DEFAULTS, EXTRA_COLUMN
 from service.windowed import (
     KIND,
     WindowBuffer,

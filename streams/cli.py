@@ -1,0 +1,179 @@
+"""The ``splu`` entry point: the batch commands of `service/cli.py` and the stream's own,
+``splu demo``, ``worker``, ``consumer`` and ``produce``.
+
+Each stream command imports its module when it runs: the batch commands start without Kafka
+and Faust, and start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from service import cli
+from service.commands.common import FORMATTER, CommandError, Commands
+from service.config import load_config
+from service.publication import MECHANISMS, log, open_input
+
+
+def command_demo(args: argparse.Namespace) -> int:
+    from streams.demo import run_demo
+
+    return run_demo(
+        mechanism=args.mechanism, records=args.records, rate=args.rate, serve=args.serve,
+        port=args.port,
+    )  # fmt: skip
+
+
+def command_worker(args: argparse.Namespace) -> int:
+    from streams.worker import run_worker
+
+    run_worker(load_config(args.config), loglevel=args.loglevel)
+    return 0
+
+
+def command_consumer(args: argparse.Namespace) -> int:
+    from streams.worker import run_consumer
+
+    config = load_config(args.config)
+    port = config.reports.port if args.port is None else args.port
+    run_consumer(config, args.host, port, loglevel=args.loglevel)
+    return 0
+
+
+def command_produce(args: argparse.Namespace) -> int:
+    from aiokafka.errors import KafkaError
+
+    from streams.produce import count_rows, file_digest, produce, rows_of
+
+    config = load_config(args.config)
+    total = None if args.input == "-" else count_rows(Path(args.input))
+    if args.input == "-" and args.id_column is None:
+        raise CommandError("from stdin, name the column holding record ids with --id-column")
+    source = None if args.input == "-" else file_digest(Path(args.input))
+    with open_input(args.input) as stream:
+        rows = rows_of(stream, config, source, args.id_column)
+        try:
+            sent = asyncio.run(produce(config, rows, total, args.rate))
+        except KafkaError as err:
+            raise CommandError(f"cannot produce to {config.kafka_bootstrap}: {err}") from None
+    log(
+        f"splu produce: {sent:,} records from {args.input} acknowledged by "
+        f"{config.topics['raw']} at {config.kafka_bootstrap}"
+    )
+    return 0
+
+
+def register(commands: Commands) -> None:
+    """Add the stream's commands."""
+    demo = commands.add_parser(
+        "demo", formatter_class=FORMATTER,
+        help="the main job on embedded servers: stream the bundled sample end to end",
+        description=(
+            "Start an embedded Kafka-protocol broker and Redis-protocol server, a worker, a\n"
+            "consumer and a producer over the bundled UCI Adult sample; show live progress\n"
+            "and the consumer's live page (URL printed); ask the consumer for large and\n"
+            "small reconstructed counts and compare them with the truth. Everything started\n"
+            "is stopped again, also on Ctrl-C (--serve keeps the page up until then)."
+        ),
+    )  # fmt: skip
+    demo.add_argument(
+        "--mechanism",
+        choices=MECHANISMS,
+        default="decoy",
+        help="decoy groups on occupation (default) or personal groups on income",
+    )
+    demo.add_argument("--records", type=int, help="stream only the first N records")
+    demo.add_argument("--rate", type=float, help="producer rate in records/s (default: flat out)")
+    demo.add_argument(
+        "--serve",
+        action="store_true",
+        help="keep the servers and the live page running after the summary, until Ctrl-C",
+    )
+    demo.add_argument("--port", type=int, help="the live page's port (default: a free one)")
+    demo.set_defaults(run=command_demo)
+
+    worker = commands.add_parser(
+        "worker", formatter_class=FORMATTER,
+        help="run the stream worker for a stream's config (production)",
+        description=(
+            "Consume <stream>.raw, buffer and randomize in Redis, publish to\n"
+            "<stream>.published. Start one per machine or container; Kafka spreads the\n"
+            "partitions over them. Kafka and Redis come from the config, KAFKA_BOOTSTRAP\n"
+            "and REDIS_URL override them; the service key from the environment variable\n"
+            "or file the config names."
+        ),
+    )  # fmt: skip
+    worker.add_argument("--config", required=True, help="the stream's TOML file")
+    worker.add_argument(
+        "--loglevel",
+        choices=["crit", "error", "warn", "info", "debug"],
+        default="warn",
+        help="worker log level (default warn)",
+    )
+    worker.set_defaults(run=command_worker)
+
+    consumer = commands.add_parser(
+        "consumer", formatter_class=FORMATTER,
+        help="run a stream's consumer: running counts, queries, privacy reports, live page",
+        description=(
+            "Count <stream>.published once per token into Redis (the counts survive\n"
+            "restarts), run the privacy tests every stream.report_interval seconds and\n"
+            "publish them to <stream>.reports, and serve:\n"
+            "  /          the live page (plots update themselves)\n"
+            "  /status    JSON: counters, delays, tests, standing queries\n"
+            "  /metrics   Prometheus text format\n"
+            "  /estimate  GET ?where=col:val,col:val&value=sacol:val, or POST a JSON\n"
+            "             array of query objects (as `splu query --url` does)\n"
+            "The config's [reports] table sets the tests' thresholds, the standing queries\n"
+            "and which failed tests pause publishing (fail_closed). It needs no service key."
+        ),
+    )  # fmt: skip
+    consumer.add_argument("--config", required=True, help="the stream's TOML file")
+    consumer.add_argument(
+        "--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)"
+    )
+    consumer.add_argument(
+        "--port", type=int, help="port to serve on (default: reports.port of the config, 6066)"
+    )
+    consumer.add_argument(
+        "--loglevel",
+        choices=["crit", "error", "warn", "info", "debug"],
+        default="warn",
+        help="log level (default warn)",
+    )
+    consumer.set_defaults(run=command_consumer)
+
+    produce = commands.add_parser(
+        "produce", formatter_class=FORMATTER,
+        help="stream a CSV into <stream>.raw",
+        description=(
+            "Send each row's schema columns as a JSON object to <stream>.raw, keyed by a\n"
+            "record id (<file digest>:<line>, or --id-column), so producing the same file\n"
+            "again stores nothing twice."
+        ),
+    )  # fmt: skip
+    produce.add_argument("--config", required=True, help="the stream's TOML file")
+    produce.add_argument("--input", required=True, help="CSV with a header line (- for stdin)")
+    produce.add_argument("--rate", type=float, help="records per second (default: flat out)")
+    produce.add_argument("--id-column", metavar="COL", help="column holding each record's id")
+    produce.set_defaults(run=command_produce)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every ``splu`` command: the stream's first, as ``splu --help`` lists them."""
+    parser, commands = cli.new_parser()
+    register(commands)
+    cli.register(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return cli.main(argv, build_parser())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
