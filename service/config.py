@@ -47,7 +47,11 @@
     delta = 0.3
     budget = "conservative"      # adaptive budgets can be overrun when frequencies drift
     release_size = 100
-    merge_map = "adult.merge.toml"   # relative to this file
+    merge_map = "adult.merge.toml"   # optional, relative to this file (`splu merge` fits one):
+                                     # public values merged into larger groups, so each
+                                     # group allows more trials. Without it every public
+                                     # combination is a group of its own: safe, but small
+                                     # groups publish more copies and fewer trials
 
     [windowed]                   # stream.mechanism = "windowed" (`service/windowed.py`)
     mechanism = "anatomy"        # sdr, fprivacy, anatomy, dbr or global, run on each window
@@ -677,7 +681,7 @@ def _personal_settings(
     delta = table.number("delta", 0.3)
     budget = table.text("budget", "conservative", choices=BUDGETS)
     release_size = table.integer("release_size", 100)
-    map_path = base / table.text("merge_map")
+    map_name = table.text("merge_map") if table.get("merge_map") is not None else None
     table.finish()
     if attribute.size < 2:
         raise ConfigError(
@@ -696,8 +700,12 @@ def _personal_settings(
             f"stream.partitions = {partitions}: lower retention or lambda, raise delta, or "
             f"use fewer partitions"
         )
+    if map_name is None:
+        return PersonalSettings(
+            retention, lam, delta, budget, release_size, ValueMap.identity(attribute)
+        )
     try:
-        value_map = ValueMap.load(map_path)
+        value_map = ValueMap.load(base / map_name)
     except SchemaError as err:
         raise ConfigError(f"{source}: personal.merge_map: {err}") from None
     if value_map.sensitive != attribute.name:

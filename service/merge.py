@@ -29,7 +29,7 @@ import numpy as np
 import tomli_w
 from scipy import stats
 
-from service.schema import SchemaError, read_toml
+from service.schema import Attribute, SchemaError, read_toml
 from service.table import Table
 
 
@@ -74,6 +74,11 @@ class ValueMap:
                 }
             }
         )
+
+    @classmethod
+    def identity(cls, sensitive: Attribute) -> ValueMap:
+        """No merging: every public value is a class of its own (alpha 0: nothing tested)."""
+        return cls(sensitive.name, sensitive.domain, 0.0, {})
 
     @classmethod
     def load(cls, path: str | Path) -> ValueMap:

@@ -1,5 +1,5 @@
 """The ``splu`` entry point: the batch commands of `service/cli.py` and the stream's own,
-``splu demo``, ``worker``, ``consumer`` and ``produce``.
+``splu demo``, ``run``, ``up``, ``worker``, ``consumer`` and ``produce``.
 
 Each stream command imports its module when it runs: the batch commands start without Kafka
 and Faust, and start fast.
@@ -67,6 +67,42 @@ def command_produce(args: argparse.Namespace) -> int:
     return 0
 
 
+def command_run(args: argparse.Namespace) -> int:
+    from streams.run import run_stream
+
+    source = Path(args.input)
+    if not source.is_file():
+        raise CommandError(f"cannot read {args.input}: no such file")
+    return run_stream(
+        Path(args.config), source, id_column=args.id_column, rate=args.rate,
+        serve=args.serve, port=args.port,
+        published_out=Path(args.published_out) if args.published_out else None,
+    )  # fmt: skip
+
+
+def command_up(args: argparse.Namespace) -> int:
+    from streams.up import run_up
+
+    return run_up(args.data_dir)
+
+
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+    """What `splu demo` and `splu run` share: the producer's pace and the live page."""
+    parser.add_argument("--rate", type=float, help="producer rate in records/s (default: flat out)")
+    parser.add_argument(
+        "--serve", action="store_true",
+        help="keep the servers and the live page running after the summary, until Ctrl-C",
+    )  # fmt: skip
+    parser.add_argument("--port", type=int, help="the live page's port (default: a free one)")
+
+
+def _add_loglevel(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--loglevel", choices=["crit", "error", "warn", "info", "debug"], default="warn",
+        help="log level (default warn)",
+    )  # fmt: skip
+
+
 def register(commands: Commands) -> None:
     """Add the stream's commands."""
     demo = commands.add_parser(
@@ -87,14 +123,49 @@ def register(commands: Commands) -> None:
         help="decoy groups on occupation (default) or personal groups on income",
     )
     demo.add_argument("--records", type=int, help="stream only the first N records")
-    demo.add_argument("--rate", type=float, help="producer rate in records/s (default: flat out)")
-    demo.add_argument(
-        "--serve",
-        action="store_true",
-        help="keep the servers and the live page running after the summary, until Ctrl-C",
-    )
-    demo.add_argument("--port", type=int, help="the live page's port (default: a free one)")
+    _add_run_options(demo)
     demo.set_defaults(run=command_demo)
+
+    run = commands.add_parser(
+        "run", formatter_class=FORMATTER,
+        help="stream your own CSV through a stream's config, start to end, on embedded servers",
+        description=(
+            "The demo's flow for any stream config and CSV: start the embedded broker and\n"
+            "Redis (unless KAFKA_BOOTSTRAP and REDIS_URL name others), the stream's topics, a\n"
+            "worker and a consumer, produce the CSV with live progress, then print a summary:\n"
+            "records sent, in, published, suppressed, rejected and waiting below the mixing\n"
+            "floor, the standing queries' estimates and the privacy tests' verdicts.\n"
+            "Everything started is stopped again, also on Ctrl-C.\n\n"
+            "example:\n"
+            "  splu run --config my-stream.toml --input answers.csv --id-column respondent \\\n"
+            "      --published-out published.csv"
+        ),
+    )  # fmt: skip
+    run.add_argument("--config", required=True, help="the stream's TOML file")
+    run.add_argument("--input", required=True, help="CSV with a header line")
+    run.add_argument("--id-column", metavar="COL", help="column holding each record's id")
+    run.add_argument(
+        "--published-out", metavar="FILE.csv",
+        help="write the published records here as CSV (the embedded broker forgets them)",
+    )  # fmt: skip
+    _add_run_options(run)
+    run.set_defaults(run=command_run)
+
+    up = commands.add_parser(
+        "up", formatter_class=FORMATTER,
+        help="run the embedded broker and Redis in the foreground for the stream commands",
+        description=(
+            "Start the embedded Kafka-protocol broker and Redis-protocol server and print\n"
+            "the two lines to paste into the terminals of `splu worker`, `splu consumer`\n"
+            "and `splu produce`:\n"
+            "  export KAFKA_BOOTSTRAP=127.0.0.1:PORT\n"
+            "  export REDIS_URL=redis://127.0.0.1:PORT/0\n"
+            "Ctrl-C stops both. The broker keeps messages in memory only; with --data-dir\n"
+            "Redis keeps its append-only file there across restarts."
+        ),
+    )  # fmt: skip
+    up.add_argument("--data-dir", type=Path, help="keep Redis's data here (default: nothing kept)")
+    up.set_defaults(run=command_up)
 
     worker = commands.add_parser(
         "worker", formatter_class=FORMATTER,
@@ -108,12 +179,7 @@ def register(commands: Commands) -> None:
         ),
     )  # fmt: skip
     worker.add_argument("--config", required=True, help="the stream's TOML file")
-    worker.add_argument(
-        "--loglevel",
-        choices=["crit", "error", "warn", "info", "debug"],
-        default="warn",
-        help="worker log level (default warn)",
-    )
+    _add_loglevel(worker)
     worker.set_defaults(run=command_worker)
 
     consumer = commands.add_parser(
@@ -139,12 +205,7 @@ def register(commands: Commands) -> None:
     consumer.add_argument(
         "--port", type=int, help="port to serve on (default: reports.port of the config, 6066)"
     )
-    consumer.add_argument(
-        "--loglevel",
-        choices=["crit", "error", "warn", "info", "debug"],
-        default="warn",
-        help="log level (default warn)",
-    )
+    _add_loglevel(consumer)
     consumer.set_defaults(run=command_consumer)
 
     produce = commands.add_parser(

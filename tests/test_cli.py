@@ -580,3 +580,28 @@ def test_help_documents_the_batch_files_and_laplace(capsys):
         main(["query", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "RUNS ON THE TRUSTED SIDE" in text and "noise of scale m/ε" in text
+
+
+def test_query_takes_the_options_given_to_publish(adult_csv, tmp_path, capsys):
+    """SPEC §5: `splu query` with the same options as `splu publish`. --quasi is checked
+    against the published columns; --seed, --bin and --schema shaped the publication and
+    change nothing here, so the answers equal those without them."""
+    published = tmp_path / "p.csv"
+    assert publish(adult_csv, published, "--seed", "1") == 0
+    queries = tmp_path / "q.jsonl"
+    queries.write_text('{"where": {"sex": "Female"}, "value": {"occupation": "Sales"}}\n')
+
+    def ask(*extra: str) -> tuple[int, str]:
+        answers = tmp_path / "a.jsonl"
+        code = main([
+            "query", "--published", str(published), "--mechanism", "decoy", "--gamma", "5",
+            "--sensitive", "occupation", "--queries", str(queries), "--output", str(answers),
+            *extra,
+        ])  # fmt: skip
+        return code, answers.read_text() if code == 0 else capsys.readouterr().err
+
+    plain = ask()
+    assert plain[0] == 0
+    assert ask("--quasi", QUASI, "--seed", "1", "--bin", "age=10") == plain
+    code, error = ask("--quasi", "age,income")
+    assert code == 1 and "--quasi 'income' is not a column of" in error

@@ -4,6 +4,7 @@ Laplace noise, the raw data."""
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 from collections.abc import Collection, Mapping
 from typing import Any
@@ -154,6 +155,19 @@ def _query_laplace(args: argparse.Namespace, settings: dict[str, Any]) -> int:
     return _write_answers(args, results, f"from {len(table):,} raw rows (laplace)")
 
 
+def _check_published_columns(published: str, quasi: list[str]) -> None:
+    if not quasi:
+        return
+    with open_input(published) as stream:
+        header = next(csv.reader(stream), [])
+    missing = [c for c in quasi if c not in header]
+    if missing:
+        raise CommandError(
+            f"--quasi {missing[0]!r} is not a column of {published} (its columns: "
+            f"{', '.join(header)}): was it published with other --quasi columns?"
+        )
+
+
 def command_query(args: argparse.Namespace) -> int:
     if sum(source is not None for source in (args.published, args.url, args.input)) != 1:
         raise CommandError(
@@ -169,11 +183,12 @@ def command_query(args: argparse.Namespace) -> int:
             f"not {chosen}"
         )
     if chosen != "laplace":
-        for option in ("input", "quasi", "bin", "schema", "seed"):
-            if getattr(args, option, None) is not None:
-                raise CommandError(
-                    f"{flag_of(option)} applies to --mechanism laplace (raw data), not {chosen}"
-                )
+        if args.input is not None:
+            raise CommandError(f"--input applies to --mechanism laplace (raw data), not {chosen}")
+        # The rest of `splu publish`'s options are welcome (SPEC §5: the same options):
+        # --quasi must name columns the publication has; --bin, --schema and --seed shaped
+        # the raw table before publication and change nothing in what is read here.
+        _check_published_columns(args.published, column_names(args.quasi))
     settings = mechanism_settings(args)
     if chosen == "laplace":
         return _query_laplace(args, settings)
@@ -287,16 +302,21 @@ def register(commands: Commands) -> None:
         help="laplace: privacy budget ε > 0 shared by the file's queries (required)",
     )
     laplace.add_argument(
-        "--quasi", action="append", metavar="COL,COL", help="laplace: public columns of --input"
-    )
+        "--quasi", action="append", metavar="COL,COL",
+        help="laplace: public columns of --input; other mechanisms: as given to `splu publish`, "
+        "checked against the published file's columns",
+    )  # fmt: skip
     laplace.add_argument(
-        "--bin", action="append", metavar="COL=SPEC", help="laplace: as for `splu publish`"
+        "--bin", action="append", metavar="COL=SPEC",
+        help="as for `splu publish` (laplace bins --input; otherwise accepted and unused)",
+    )  # fmt: skip
+    laplace.add_argument(
+        "--schema", help="as for `splu publish` (laplace reads --input with it; otherwise unused)"
     )
-    laplace.add_argument("--schema", help="laplace: as for `splu publish`")
     laplace.add_argument(
         "--seed",
         type=int,
         help="laplace: derive the noise from this seed (experiments only: anyone with the "
-        "seed can remove it; default: a fresh random key)",
+        "seed can remove it; default: a fresh random key); otherwise accepted and unused",
     )
     query.set_defaults(run=command_query)

@@ -1,0 +1,274 @@
+"""`splu run`: one stream config and one CSV through the whole stream, start to end.
+
+The flow of production on one machine: servers (the embedded broker and Redis, unless
+KAFKA_BOOTSTRAP and REDIS_URL name others), the stream's topics, a worker and a
+consumer (child processes, each as its own least-privilege Redis user when the run
+started Redis itself), a producer over the CSV, live progress, and a summary: records
+in, published, suppressed, rejected and still pooled below the mixing floor, the
+standing queries' estimates and the privacy tests' verdicts from the consumer's last
+report, and where the published records can be read (``--published-out`` writes them
+as CSV, in the schema's column order; the embedded broker forgets them when the run
+ends). Every process it starts is stopped again on success, error or Ctrl-C; with
+``--serve`` it keeps serving the live page until Ctrl-C. `splu demo` is this run on
+the bundled sample.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+import os
+import secrets
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer
+
+from deploy.embedded import (
+    EmbeddedServers,
+    free_port,
+    service_user_envs,
+    spawn_consumer,
+    spawn_worker,
+)
+from service import client
+from service.buffer import BufferState, connect
+from service.config import StreamConfig, load_config
+from streams.produce import count_rows, file_digest, produce, rows_of
+from streams.topics import create_topics
+
+TIMEOUT = 120.0  # seconds without progress before a run gives up
+PROGRESS_EVERY = 5.0  # seconds between progress lines in a log (a terminal redraws)
+
+
+class RunError(RuntimeError):
+    """The stream stopped moving; the message says how far it got."""
+
+
+def run_stream(
+    config_path: Path,
+    input_path: Path,
+    *,
+    id_column: str | None = None,
+    rate: float | None = None,
+    serve: bool = False,
+    port: int | None = None,
+    published_out: Path | None = None,
+    command: str = "splu run",
+    afterwards: Callable[[StreamConfig, str], None] | None = None,
+) -> int:
+    """Run the stream over the CSV and print the summary; `afterwards(config, url)` runs
+    while the consumer still answers (the demo compares its estimates with the truth)."""
+    started = time.monotonic()
+    with ExitStack() as stack:
+        work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="splu-run-")))
+        # Servers named by KAFKA_BOOTSTRAP / REDIS_URL are used; the others start here.
+        servers = stack.enter_context(EmbeddedServers(work / "servers"))
+        os.environ.update(KAFKA_BOOTSTRAP=servers.kafka_bootstrap, REDIS_URL=servers.redis_url)
+        config = load_config(config_path)
+        env = _key_env(config, command)
+        print(
+            f"{command}: {config.mechanism} stream {config.name!r} (Kafka "
+            f"{config.kafka_bootstrap}{'' if servers.kafka is None else ', embedded'}; Redis "
+            f"{config.redis_url.rpartition('@')[2]}{'' if servers.redis is None else ', embedded'}"
+            f"), {config.partitions} partitions"
+        )
+        asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
+        # As in production: each process under its own least-privilege Redis user, when
+        # this run started the Redis server (and so administers it).
+        envs = (
+            service_user_envs(config, env)
+            if servers.redis is not None and config.redis_password_env is not None
+            else {"worker": env, "consumer": env}
+        )
+        url = f"http://127.0.0.1:{port or free_port()}"
+        worker = spawn_worker(config_path, envs["worker"], work / "worker.log")
+        stack.callback(worker.stop)
+        consumer = spawn_consumer(
+            config_path, int(url.rsplit(":", 1)[1]), envs["consumer"], work / "consumer.log"
+        )
+        stack.callback(consumer.stop)
+        print(f"live page: {url}/  (counts, privacy tests, delays; it updates itself)")
+        totals, sent = asyncio.run(_stream(config, input_path, id_column, rate, url))
+        status = _last_report(url, config)
+        _summary(config, totals, sent, status)
+        if published_out is not None:
+            written = asyncio.run(_write_published(config, totals["published"], published_out))
+            print(f"published records: {written:,} rows written to {published_out}")
+        print(
+            f"published records: topic {config.topics['published']} at "
+            f"{config.kafka_bootstrap}"
+            + (" (gone when this run ends: use --published-out)" if servers.kafka else "")
+        )
+        if afterwards is not None:
+            afterwards(config, url)
+        if serve:
+            _serve(url)
+    print(f"done in {time.monotonic() - started:.0f} s; every process it started has stopped")
+    return 0
+
+
+def _key_env(config: StreamConfig, command: str) -> dict[str, str]:
+    """The environment of the stream's processes; a fresh key if the config's is unset."""
+    if config.key_env is not None and config.key_env not in os.environ:
+        os.environ[config.key_env] = secrets.token_hex(32)
+        print(
+            f"{command}: {config.key_env} is not set; this run uses a fresh service key "
+            "(ids and draws will differ from any other run)"
+        )
+    return dict(os.environ)
+
+
+async def _stream(
+    config: StreamConfig, input_path: Path, id_column: str | None, rate: float | None, url: str
+) -> tuple[dict[str, int], int]:
+    """Produce the CSV and show progress until every record is settled (published,
+    suppressed, rejected or resting below the floor) and counted; (totals, records sent)."""
+    redis = connect(config)
+    buffer = BufferState(redis, config)
+    total = count_rows(input_path)
+    print(f"producing {total or 'the'} records of {input_path} to {config.topics['raw']}")
+    with input_path.open(newline="") as stream:
+        rows = rows_of(stream, config, file_digest(input_path), id_column)
+        producing = asyncio.create_task(produce(config, rows, total, rate, progress=False))
+        totals: dict[str, int] = {}
+        counted, moved, shown = 0, time.monotonic(), 0.0
+        live = sys.stdout.isatty()
+        progress: tuple[int, ...] = ()
+        print("waiting for the worker and consumer to join their groups (a few seconds)")
+        try:
+            while True:
+                await asyncio.sleep(0.5)
+                totals = await buffer.totals()
+                counted = await _counted(url)
+                sent = producing.result() if producing.done() else None
+                done = totals.get("settled", 0) + totals.get("rejected", 0)
+                finished = sent is not None and done >= sent
+                finished = finished and counted >= totals.get("published", 0)
+                if live or finished or time.monotonic() - shown >= PROGRESS_EVERY:
+                    shown = time.monotonic()
+                    print(_progress_line(totals, counted, live), end="" if live else "\n")
+                if finished:
+                    break
+                if (now := (totals.get("ingested", 0), done, counted)) != progress:
+                    progress, moved = now, time.monotonic()
+                elif time.monotonic() - moved > TIMEOUT:
+                    raise RunError(
+                        f"nothing moved for {TIMEOUT:.0f} s: {totals.get('ingested', 0):,} "
+                        f"records in, {done:,} settled, {counted:,} counted"
+                    )
+        finally:
+            if live:
+                print()
+            if not producing.done():
+                producing.cancel()
+            await redis.aclose()
+    return totals, sent
+
+
+def _progress_line(totals: Mapping[str, int], counted: int, live: bool) -> str:
+    return (
+        f"{chr(13) if live else ''}  in {totals.get('ingested', 0):7,}  "
+        f"buffered {totals.get('pending', 0):6,}  "
+        f"mixing pool {totals.get('pool', 0):6,}  "
+        f"published {totals.get('published', 0):7,}  "
+        f"suppressed {totals.get('suppressed', 0):4,}  "
+        f"rejected {totals.get('rejected', 0):4,}  "
+        f"counted {counted:7,}"
+    )
+
+
+async def _counted(url: str) -> int:
+    """Published records the consumer's estimates include; 0 while it starts."""
+    try:
+        status = await asyncio.to_thread(client.status, url, 2.0)
+    except client.ConsumerError:
+        return 0
+    return int(status["consumer"]["records"])
+
+
+def _last_report(url: str, config: StreamConfig) -> dict[str, Any]:
+    """The consumer's status once a privacy report covers every record it counted."""
+    deadline = time.monotonic() + 2 * config.report_interval + 10
+    status = client.status(url)
+    counted_at = status["time"]
+    while time.monotonic() < deadline:
+        tests = status["tests"]
+        if tests and min(t["time"] for t in tests) >= counted_at:
+            break
+        time.sleep(0.5)
+        status = client.status(url)
+    return status
+
+
+def _summary(config: StreamConfig, totals: Mapping[str, int], sent: int, status: dict) -> None:
+    print(
+        f"\nrecords: {sent:,} sent, {totals.get('ingested', 0):,} in, "
+        f"{totals.get('published', 0):,} published, {totals.get('suppressed', 0):,} "
+        f"suppressed, {totals.get('rejected', 0):,} rejected"
+        + (f" (reasons on {config.topics['rejected']})" if totals.get("rejected") else "")
+    )
+    if totals.get("below_floor"):
+        print(
+            f"{totals['below_floor']:,} records stay in mixing pools below their floor of "
+            f"{config.mixing_pool:,} per partition: the mixing rule publishes them only "
+            "together with later records"
+        )
+    if status["standing"]:
+        print("standing queries (estimate [95% interval] from the published records):")
+        for answer in status["standing"]:
+            print(
+                f"  {answer['name']}: {answer['estimate']:,.1f} "
+                f"[{answer['low']:,.1f}, {answer['high']:,.1f}]"
+            )
+    if status["tests"]:
+        verdicts = ", ".join(
+            f"{t['test']} {'pass' if t['passed'] else 'FAIL'}" for t in status["tests"]
+        )
+        print(f"privacy tests (last report): {verdicts}")
+
+
+async def _write_published(config: StreamConfig, expected: int, path: Path) -> int:
+    """Write each published record once (by token) as CSV; how many rows."""
+    consumer = AIOKafkaConsumer(
+        config.topics["published"], bootstrap_servers=config.kafka_bootstrap,
+        auto_offset_reset="earliest", enable_auto_commit=False,
+    )  # fmt: skip
+    await consumer.start()
+    records: dict[bytes, dict[str, str]] = {}
+    deadline = time.monotonic() + TIMEOUT
+    try:
+        while len(records) < expected and time.monotonic() < deadline:
+            for messages in (await consumer.getmany(timeout_ms=500)).values():
+                for message in messages:
+                    records.setdefault(message.key, json.loads(message.value))
+    finally:
+        await consumer.stop()
+    names = config.schema.names
+    with path.open("w", newline="") as stream:
+        writer = csv.writer(stream)
+        writer.writerow(names)
+        writer.writerows([record[n] for n in names] for record in records.values())
+    return len(records)
+
+
+def _serve(url: str) -> None:
+    print(f"\nserving the live page at {url}/ until Ctrl-C", flush=True)
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    # SIGTERM stops it as cleanly as Ctrl-C (and a background job may ignore SIGINT).
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print()

@@ -1,0 +1,137 @@
+"""`splu run` on a user's own data: a CSV and a config written here, not Adult.
+
+A synthetic survey (region, plan, and a sensitive answer) with a few invalid rows, run
+once as a decoy stream and once as a personal stream with no merge map, each on fresh
+embedded servers. The summary's accounting must add up (every record sent is in and
+published, suppressed or waiting below the mixing floor, or rejected), and the CSV
+--published-out writes must hold exactly the published records: the schema's columns in
+its order, values from their domains, no id column, and the public values of the input.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tomli_w
+
+pytestmark = pytest.mark.stream
+
+SPLU = [sys.executable, "-m", "streams.cli"]
+REGIONS = ("north", "south", "east", "west")
+PLANS = ("basic", "plus", "pro")
+ANSWERS = ("never", "rarely", "sometimes", "often", "always", "refused")
+ROWS = 2500
+INVALID = 3
+SUMMARY = re.compile(
+    r"records: ([\d,]+) sent, ([\d,]+) in, ([\d,]+) published, ([\d,]+) suppressed, "
+    r"([\d,]+) rejected"
+)
+BELOW_FLOOR = re.compile(r"([\d,]+) records stay in mixing pools below their floor")
+
+
+def write_survey(path: Path) -> list[dict[str, str]]:
+    rng = np.random.default_rng(5)
+    rows = [
+        {
+            "respondent": f"r{i:05d}",
+            "region": REGIONS[rng.integers(len(REGIONS))],
+            "plan": PLANS[rng.choice(len(PLANS), p=[0.6, 0.3, 0.1])],
+            "answer": ANSWERS[rng.choice(len(ANSWERS), p=[0.3, 0.25, 0.2, 0.12, 0.08, 0.05])],
+        }
+        for i in range(ROWS)
+    ]
+    rows += [
+        {"respondent": f"bad{i}", "region": "mars", "plan": "basic", "answer": "never"}
+        for i in range(INVALID)
+    ]
+    with path.open("w", newline="") as stream:
+        writer = csv.DictWriter(stream, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    return rows
+
+
+def write_config(path: Path, mechanism: str) -> None:
+    sensitive = ANSWERS if mechanism == "decoy" else ANSWERS[:3]
+    document: dict = {
+        "stream": {
+            "name": f"survey-{mechanism}", "mechanism": mechanism, "partitions": 2,
+            "max_wait": 5.0, "mixing_pool": 30, "flush_interval": 1.0, "buffer_cap": 2000,
+            "report_interval": 2.0, "batch_size": 500, "batch_wait": 0.1,
+        },
+        "key": {"env": "SPLU_SERVICE_KEY"},
+        "kafka": {"bootstrap": "127.0.0.1:9092"},
+        "redis": {"url": "redis://127.0.0.1:6379/0", "password_env": "REDIS_PASSWORD"},
+        "reports": {
+            "fail_closed": [],
+            "queries": [{"where": {"region": "north"}, "value": {"answer": sensitive[0]}}],
+        },
+        "schema": {
+            "public": {"region": {"domain": list(REGIONS)}, "plan": {"domain": list(PLANS)}},
+            "sensitive": {"answer": {"domain": list(sensitive)}},
+        },
+    }  # fmt: skip
+    if mechanism == "decoy":
+        document["decoy"] = {"gamma": 3}
+    else:
+        document["personal"] = {"retention": 0.6, "lambda": 0.3, "delta": 0.3,
+                                "budget": "conservative", "release_size": 20}  # fmt: skip
+    path.write_text(tomli_w.dumps(document))
+
+
+def number(text: str) -> int:
+    return int(text.replace(",", ""))
+
+
+@pytest.mark.parametrize("mechanism", ["decoy", "personal"])
+def test_run_streams_a_users_csv_and_writes_what_was_published(tmp_path, mechanism):
+    source, config, out = tmp_path / "survey.csv", tmp_path / "survey.toml", tmp_path / "out.csv"
+    rows = write_survey(source)
+    if mechanism == "personal":
+        rows = [r for r in rows if r["answer"] in ANSWERS[:3] or r["region"] == "mars"]
+        with source.open("w", newline="") as stream:
+            writer = csv.DictWriter(stream, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    write_config(config, mechanism)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "REDIS_", "SPLU_"))}
+    result = subprocess.run(
+        [*SPLU, "run", "--config", str(config), "--input", str(source),
+         "--id-column", "respondent", "--published-out", str(out)],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "is not set; this run uses a fresh service key" in output
+
+    summary = SUMMARY.search(output)
+    assert summary, output
+    sent, ingested, published, suppressed, rejected = map(number, summary.groups())
+    below = BELOW_FLOOR.search(output)
+    resting = number(below.group(1)) if below else 0
+    assert sent == len(rows) and rejected == INVALID, output
+    assert ingested == sent - rejected == published + suppressed + resting, output
+    assert 0 < resting < 2 * 30 or resting == 0
+    assert published > 0.9 * ingested, output
+    assert "standing queries" in output and "privacy tests (last report):" in output
+
+    with out.open(newline="") as stream:
+        reader = csv.DictReader(stream)
+        published_rows = list(reader)
+        assert reader.fieldnames == ["region", "plan", "answer"]
+    assert len(published_rows) == published
+    domains = {"region": REGIONS, "plan": PLANS, "answer": ANSWERS}
+    assert all(r[c] in domains[c] for r in published_rows for c in domains)
+    # Public values are published as they are: each (region, plan) at most as often as sent.
+    sent_public = Counter((r["region"], r["plan"]) for r in rows if r["region"] != "mars")
+    shown_public = Counter((r["region"], r["plan"]) for r in published_rows)
+    assert all(shown_public[k] <= sent_public[k] for k in shown_public)
+    assert sum(sent_public.values()) - sum(shown_public.values()) == suppressed + resting
