@@ -48,8 +48,8 @@ TIMEOUT = 120.0  # seconds without progress before a run gives up
 PROGRESS_EVERY = 5.0  # seconds between progress lines in a log (a terminal redraws)
 
 
-class RunError(RuntimeError):
-    """The stream stopped moving; the message says how far it got."""
+class RunError(ValueError):
+    """The run cannot go on: the message says why, or how far the stream got."""
 
 
 def run_stream(
@@ -73,6 +73,12 @@ def run_stream(
         servers = stack.enter_context(EmbeddedServers(work / "servers"))
         os.environ.update(KAFKA_BOOTSTRAP=servers.kafka_bootstrap, REDIS_URL=servers.redis_url)
         config = load_config(config_path)
+        if published_out is not None and config.mechanism == "windowed":
+            raise RunError(
+                "--published-out writes decoy and personal streams; a windowed stream also "
+                f"publishes side messages (ST rows, sub-tables): read {config.topics['published']}"
+                " with a Kafka client"
+            )
         env = _key_env(config, command)
         print(
             f"{command}: {config.mechanism} stream {config.name!r} (Kafka "
@@ -91,13 +97,16 @@ def run_stream(
         url = f"http://127.0.0.1:{port or free_port()}"
         worker = spawn_worker(config_path, envs["worker"], work / "worker.log")
         stack.callback(worker.stop)
-        consumer = spawn_consumer(
-            config_path, int(url.rsplit(":", 1)[1]), envs["consumer"], work / "consumer.log"
-        )
-        stack.callback(consumer.stop)
-        print(f"live page: {url}/  (counts, privacy tests, delays; it updates itself)")
-        totals, sent = asyncio.run(_stream(config, input_path, id_column, rate, url))
-        status = _last_report(url, config)
+        # The consumer's counts, tests and live page cover decoy and personal streams.
+        counting = config.mechanism != "windowed"
+        if counting:
+            consumer = spawn_consumer(
+                config_path, int(url.rsplit(":", 1)[1]), envs["consumer"], work / "consumer.log"
+            )
+            stack.callback(consumer.stop)
+            print(f"live page: {url}/  (counts, privacy tests, delays; it updates itself)")
+        totals, sent = asyncio.run(_stream(config, input_path, id_column, rate, url, counting))
+        status = _last_report(url, config) if counting else {"standing": [], "tests": []}
         _summary(config, totals, sent, status)
         if published_out is not None:
             written = asyncio.run(_write_published(config, totals["published"], published_out))
@@ -109,7 +118,7 @@ def run_stream(
         )
         if afterwards is not None:
             afterwards(config, url)
-        if serve:
+        if serve and counting:
             _serve(url)
     print(f"done in {time.monotonic() - started:.0f} s; every process it started has stopped")
     return 0
@@ -127,7 +136,12 @@ def _key_env(config: StreamConfig, command: str) -> dict[str, str]:
 
 
 async def _stream(
-    config: StreamConfig, input_path: Path, id_column: str | None, rate: float | None, url: str
+    config: StreamConfig,
+    input_path: Path,
+    id_column: str | None,
+    rate: float | None,
+    url: str,
+    counting: bool,
 ) -> tuple[dict[str, int], int]:
     """Produce the CSV and show progress until every record is settled (published,
     suppressed, rejected or resting below the floor) and counted; (totals, records sent)."""
@@ -147,11 +161,11 @@ async def _stream(
             while True:
                 await asyncio.sleep(0.5)
                 totals = await buffer.totals()
-                counted = await _counted(url)
+                counted = await _counted(url) if counting else 0
                 sent = producing.result() if producing.done() else None
                 done = totals.get("settled", 0) + totals.get("rejected", 0)
                 finished = sent is not None and done >= sent
-                finished = finished and counted >= totals.get("published", 0)
+                finished = finished and (counted >= totals.get("published", 0) or not counting)
                 if live or finished or time.monotonic() - shown >= PROGRESS_EVERY:
                     shown = time.monotonic()
                     print(_progress_line(totals, counted, live), end="" if live else "\n")
