@@ -139,6 +139,11 @@ class _Server:
         return None if self._process is None else self._process.pid
 
     @property
+    def returncode(self) -> int | None:
+        """The exit status once the process ended by itself (None while it runs)."""
+        return None if self._process is None else self._process.poll()
+
+    @property
     def running(self) -> bool:
         """False once stopped or killed, and also when the server died on its own."""
         return self._process is not None and self._process.poll() is None

@@ -2,12 +2,12 @@
 
 One agent per concern:
 
-- ``ingest`` takes raw records in batches, validates them (bad ones go to
+- ``ingest`` takes each fetch of raw records whole (`streams.bulk`, around
+  Faust's per-message machinery), validates it (bad records go to
   ``<stream>.rejected`` with a reason), and hands each partition's batch to
   the Redis buffer, which stores, groups and randomizes in one Lua step. The
-  batch's offsets are acknowledged only when the loop moves on, i.e. after
-  Redis (with fsync on every write) has the batch: a crash replays it, and the
-  buffer recognises the replay.
+  fetch's offsets are committed only after Redis (with fsync on every write)
+  has the batch: a crash replays it, and the buffer recognises the replay.
 - ``emit`` (timer, `Emitter`) moves records from each owned partition's mixing
   pool to the published topic under fresh tokens by the mixing rule (only the
   excess over the pool's floor, uniformly drawn and shuffled; a quiet pool
@@ -21,7 +21,7 @@ While the consumer's privacy tests hold publishing paused (fail closed),
 ``emit`` sends nothing; records keep arriving and wait in Redis.
 
 When a partition's records (waiting for a group and pooled) reach
-``buffer_cap`` the ingest agent waits, so the consumer stops fetching instead
+``buffer_cap`` the ingest handler waits, so the consumer stops fetching instead
 of Redis growing without bound, also while publishing is paused.
 """
 
@@ -29,18 +29,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import faust
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from aiokafka.producer.message_accumulator import BatchBuilder
+from aiokafka.structs import ConsumerRecord
 from faust.sensors.monitor import Monitor
 from faust.types import TP, EventT, Message, StreamT
 from mode import Service
@@ -51,12 +50,11 @@ from service.config import StreamConfig
 from service.ingest import Preparer, RawMessage, Rejected
 from service.prf import ServiceKey
 from service.schema import Rejection
+from streams.bulk import consume_in_bulk
 
 log = logging.getLogger("splu.worker")
-T = TypeVar("T")
 
-EMIT_INTERVAL = 0.1  # seconds between emission rounds
-EXIT_UNSTORED = 75  # EX_TEMPFAIL: a batch could not be stored; it will be redelivered
+EMIT_INTERVAL = 0.5  # seconds between emission rounds
 RETRY_CEILING = 5.0  # seconds between retries while Redis or Kafka is away
 # Failures of Redis or Kafka that end by themselves; anything else is a bug.
 TRANSIENT = (RedisError, KafkaError, OSError, asyncio.TimeoutError)
@@ -204,33 +202,6 @@ def faust_app(
     )
 
 
-async def durable_batches(
-    stream: faust.StreamT, config: StreamConfig, handle: Callable[[list[EventT]], Awaitable[T]]
-) -> AsyncIterator[T]:
-    """Each batch of the stream, handled (and so made durable) before it is acknowledged.
-
-    take_events acknowledges a batch whenever the loop moves on, also on an
-    error or at shutdown, and the acks get committed. A batch that could not
-    be handled therefore ends the process first: its offsets stay
-    uncommitted, the batch comes back, and the handler's idempotence
-    absorbs whatever part of it was done.
-    """
-    async for events in stream.take_events(config.batch_size, within=config.batch_wait):
-        handled = False
-        try:
-            result = await handle(events)
-            handled = True
-        finally:
-            if not handled:
-                # With the traceback: a message that breaks the handler must be findable.
-                log.critical(
-                    "a batch could not be stored; exiting before it is acked",
-                    exc_info=sys.exc_info()[0] is not None,
-                )
-                os._exit(EXIT_UNSTORED)
-        yield result
-
-
 def assigned_partitions(app: faust.App, raw: faust.TopicT) -> set[int]:
     """The raw partitions this worker owns now."""
     return {tp.partition for tp in app.consumer.assignment() if tp.topic == raw.get_topic_name()}
@@ -337,13 +308,9 @@ def add_ingest(
             where = f"{r.message.partition}/{r.message.offset}"
             log.warning("rejected %s: %s", where, r.rejection.reason)
 
-    async def store(events: list[faust.EventT]) -> list[tuple[int, int]]:
+    async def store(messages: list[RawMessage]) -> list[tuple[int, int]]:
         """Buffer one batch and send its rejections; (partition, records held) per partition:
         waiting for a group or release, and pooled."""
-        messages = [
-            RawMessage(e.message.partition, e.message.offset, e.message.key, e.message.value)
-            for e in events
-        ]
         batches, rejected = preparer.prepare(messages)
         now = now_ms()
         outcomes = await asyncio.gather(
@@ -361,15 +328,20 @@ def add_ingest(
             await retrying("counting rejections", buffer.count_rejected, counts)
         return [(b.partition, o.pending + o.pool) for b, o in zip(batches, outcomes, strict=True)]
 
-    @app.agent(raw)
-    async def ingest(stream: faust.StreamT) -> None:
-        async for backlog in durable_batches(stream, config, store):
-            for partition, held in backlog:
-                while held >= config.buffer_cap:
-                    # Backpressure: hold the consumer until time or publication frees room.
-                    await asyncio.sleep(config.batch_wait)
-                    tick = await retrying("ticking", buffer.ingest, partition, None, now_ms())
-                    held = tick.pending + tick.pool
+    async def ingest(fetched: Mapping[TP, list[ConsumerRecord]]) -> None:
+        messages = [
+            RawMessage(m.partition, m.offset, m.key, m.value)
+            for records in fetched.values()
+            for m in records
+        ]
+        for partition, held in await store(messages):
+            while held >= config.buffer_cap:
+                # Backpressure: hold the consumer until time or publication frees room.
+                await asyncio.sleep(config.batch_wait)
+                tick = await retrying("ticking", buffer.ingest, partition, None, now_ms())
+                held = tick.pending + tick.pool
+
+    consume_in_bulk(app, raw, ingest)
 
 
 def create_app(config: StreamConfig, key: ServiceKey, datadir: Path) -> faust.App:

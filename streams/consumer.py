@@ -27,13 +27,15 @@ import json
 import logging
 import re
 import time
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import faust
 import redis.asyncio as aioredis
-from faust.types import EventT
+from aiokafka.structs import ConsumerRecord
+from faust.types import TP
 from faust.web import Request, Response, View
 
 from service.buffer import BufferState, connect
@@ -50,7 +52,8 @@ from service.privacy_tests import (
 )
 from service.reconstruct import Estimate, Query, QueryError, Reconstruction
 from service.running_counts import PublishedRecordError, RunningCounts, stream_reconstruction
-from streams.app import TRANSIENT, Publisher, durable_batches, faust_app, retrying
+from streams.app import TRANSIENT, Publisher, faust_app, retrying
+from streams.bulk import consume_in_bulk
 
 log = logging.getLogger("splu.consumer")
 
@@ -89,10 +92,9 @@ class Consumer:
             Query({}, {a.name: label}) for a in config.schema.sensitive for label in a.domain
         ]
 
-    async def count(self, events: list[EventT]) -> None:
+    async def count(self, fetched: Mapping[TP, list[ConsumerRecord]]) -> None:
         tokens, cells = [], []
-        for event in events:
-            message = event.message
+        for message in (m for records in fetched.values() for m in records):
             try:
                 if not message.key:
                     raise PublishedRecordError("a published record without a token")
@@ -331,10 +333,7 @@ def create_consumer_app(config: StreamConfig, datadir: Path, host: str, port: in
     consumer = Consumer(config, client, publisher)
     page = resources.files("streams").joinpath("static", "index.html").read_text()
 
-    @app.agent(published)
-    async def count(stream: faust.StreamT) -> None:
-        async for _ in durable_batches(stream, config, consumer.count):
-            pass
+    consume_in_bulk(app, published, consumer.count)
 
     async def guarded(what: str, step) -> None:  # type: ignore[no-untyped-def]
         try:

@@ -827,3 +827,37 @@ def test_a_worker_rejects_fuzzed_messages_and_publishes_the_good_ones(servers, t
     rows_out = [json.loads(v)["row"] for v in published.values()]
     assert len(rows_out) == len(set(rows_out)) == totals["published"]
     assert set(rows_out) <= {json.loads(v)["row"] for _, v in good}
+
+
+@pytest.mark.parametrize("stream", sorted(CONFIGS))
+@FUZZ
+@given(data=st.data())
+def test_the_fast_path_vouches_only_for_what_the_exact_reading_accepts(stream, data):
+    """`Preparer._fast_codes` (msgspec, column lookups) gives a record's codes only where
+    `_validate` gives the same codes; everything else it leaves to `_validate`."""
+    preparer = PREPARERS[stream]
+    values = [odd.value for odd in data.draw(ODD_LISTS[stream])]
+    values += data.draw(ARBITRARY_LISTS[stream])
+    for offset, (value, fast) in enumerate(zip(values, preparer._fast_codes(values), strict=True)):
+        if fast is not None:
+            assert fast == preparer._validate(RawMessage(0, offset, None, value))
+
+
+def test_a_repeated_key_is_never_taken_by_the_fast_path():
+    """msgspec keeps the last of two equal keys: a repeat, with or without whitespace
+    before the colon or written with an escape, goes to the exact reading, which
+    rejects it."""
+    config = CONFIGS["personal"]
+    preparer = PREPARERS["personal"]
+    compact = json.dumps(json.loads(adult_rows(config)[0][1]), separators=(",", ":"))
+    assert preparer._fast_codes([compact.encode()])[0] is not None
+    repeats = [
+        compact[:-1] + ',"sex":"Female"}',
+        compact[:-1] + ', "sex" : "Female"}',
+        compact[:-1] + ',"\\u0073ex":"Female"}',
+    ]
+    for text in repeats:
+        value = text.encode()
+        assert preparer._fast_codes([value]) == [None], text
+        batches, rejected = preparer.prepare([RawMessage(0, 0, None, value)])
+        assert not batches and rejected[0].rejection.reason == "an object has the same key twice"

@@ -433,3 +433,28 @@ def test_each_take_is_shuffled_by_128_fresh_bits_and_nothing_shorter(servers):
     assert [e for _, e in first] == reference_take(bytes(16).hex(), pool, 60)
     assert [e for _, e in first] != [e for _, e in second]  # a fresh seed per take
     assert all(len(token) == 32 for token, _ in first + second)
+
+
+@pytest.mark.parametrize("count", [100, EMIT_CHUNK])
+def test_a_take_reads_by_rank_or_whole_and_draws_the_same(servers, count):
+    """A small take from a large pool reads only the positions its swaps touch; a large
+    one reads the pool whole. Both are the reference draw, and a take of EMIT_CHUNK
+    records lands in flight whole (its writes are chunked)."""
+    config = replace(stream_config(), mixing_pool=0)
+    seed = random.Random(count).randbytes(SHUFFLE_SEED_BYTES).hex()
+
+    async def scenario():
+        client = aioredis.from_url(servers.redis_url)
+        buffer = StreamBuffer(client, config, KEY, entropy=lambda n: seed)
+        prefix = buffer.prefix(0)
+        pool = {f"p|1|0:1|1|{T0}|{i:032x}".encode(): T0 for i in range(EMIT_CHUNK + 1000)}
+        await client.zadd(f"{prefix}:pool", pool)
+        ordered = await client.zrange(f"{prefix}:pool", 0, -1)
+        taken = await buffer.take(0, T0, count)
+        in_flight = await client.hgetall(f"{prefix}:inflight")
+        await client.aclose()
+        return ordered, taken, in_flight
+
+    ordered, taken, in_flight = asyncio.run(scenario())
+    assert [entry for _, entry in taken] == reference_take(seed, ordered, count)
+    assert {token.encode(): entry for token, entry in taken} == in_flight

@@ -23,15 +23,19 @@ local k_truth, k_shown = base .. ':truth:' .. epoch, base .. ':shown:' .. epoch
 
 local tokens = {unpack(ARGV, 3)}
 local entries = redis.call('HMGET', k_inflight, unpack(tokens))
-local removed = 0
+local removed, truth, shown = 0, {}, {}
 for _, entry in ipairs(entries) do
   if entry then
     local public, published, true_values = string.match(entry, '^([^|]*)|([^|]*)|[^|]*|([^|]*)|')
-    redis.call('HINCRBY', k_truth, public .. '|' .. true_values, 1)
-    redis.call('HINCRBY', k_shown, public .. '|' .. published, 1)
+    local true_cell, shown_cell = public .. '|' .. true_values, public .. '|' .. published
+    truth[true_cell] = (truth[true_cell] or 0) + 1
+    shown[shown_cell] = (shown[shown_cell] or 0) + 1
     removed = removed + 1
   end
 end
+-- One increment per distinct cell: records of a take share cells.
+for cell, n in pairs(truth) do redis.call('HINCRBY', k_truth, cell, n) end
+for cell, n in pairs(shown) do redis.call('HINCRBY', k_shown, cell, n) end
 if removed > 0 then
   redis.call('HDEL', k_inflight, unpack(tokens))
   redis.call('PEXPIRE', k_truth, 2 * retention)

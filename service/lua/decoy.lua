@@ -55,8 +55,25 @@ local function bucket_key(a, v) return base .. ':b:' .. a .. ':' .. v end
 local function group_key(number) return base .. ':grp:' .. number end
 local function hole_key(a, v) return base .. ':hole:' .. a .. ':' .. v end
 
+-- Work a call would otherwise repeat per record is done once for the call: records
+-- grouped in the call they arrived never touch :rec or :t, bucket additions and pool
+-- entries are written with one command per key, and whether a group cut in this call is
+-- still open is known here without asking Redis.
 local records = {}  -- id -> record, read and written once per call
 local dirty = {}
+-- ids that arrived in this call (true until grouped or indexed): not in :rec, and in :t
+-- only if still waiting at the end
+local arrived = {}
+local finished = {}  -- ids pooled in this call
+local pool_entries, unstored = {}, {}
+local numbered = tonumber(redis.call('HGET', k_stats, 'groups') or '0')
+local cut_open = {}  -- group number -> true while a group cut in this call is open
+
+local function group_open(number)
+  if number > numbered then return cut_open[number] == true end
+  return redis.call('EXISTS', group_key(number)) == 1
+end
+
 local function load(id)
   local record = records[id]
   if record == nil then
@@ -71,15 +88,16 @@ local function finish(id, record)
   local entry = record[2] .. '|' .. table.concat(record[5], ',') .. '|'
     .. table.concat(record[7], ';') .. '|' .. table.concat(record[3], ',') .. '|'
     .. record[1] .. '|' .. id
-  redis.call('ZADD', k_pool, now, entry)
-  redis.call('HDEL', k_rec, id)
-  records[id], dirty[id] = nil, nil
+  pool_entries[#pool_entries + 1] = now
+  pool_entries[#pool_entries + 1] = entry
+  if not arrived[id] then unstored[#unstored + 1] = id end
+  records[id], dirty[id], finished[id] = nil, nil, true
   pooled = pooled + 1
 end
 
 local function sealed(record)
   for a = 1, w do
-    if redis.call('EXISTS', group_key(record[8][a])) == 1 then return false end
+    if group_open(record[8][a]) then return false end
   end
   return true
 end
@@ -101,15 +119,16 @@ local function close_slot(number)
     seal_queue[#seal_queue + 1] = {number, members_of(number)}
     redis.call('DEL', group_key(number))
     redis.call('SREM', k_open, number)
+    cut_open[number] = nil
   end
 end
 
 -- A record grouped on its last attribute: it can no longer be suppressed, so each of its
 -- other open groups has one member fewer to wait for.
 local function completed(id, record, except)
-  redis.call('ZREM', k_time, id)
+  if arrived[id] == true then arrived[id] = 'grouped' else redis.call('ZREM', k_time, id) end
   for a = 1, w do
-    if record[8][a] ~= except and redis.call('EXISTS', group_key(record[8][a])) == 1 then
+    if record[8][a] ~= except and group_open(record[8][a]) then
       close_slot(record[8][a])
     end
   end
@@ -131,7 +150,8 @@ local function drain_seals()
   while #seal_queue > 0 do
     local sealed_group = table.remove(seal_queue)
     for _, member in ipairs(sealed_group[2]) do
-      if records[member] or redis.call('HEXISTS', k_rec, member) == 1 then
+      if not finished[member]
+        and (records[member] or redis.call('HEXISTS', k_rec, member) == 1) then
         try_pool(member)
       end
     end
@@ -155,20 +175,51 @@ local function fill(id, a, number)
   end
 end
 
+local to_bucket = {}  -- attribute -> value -> ids arriving in this call, in order
+for a = 1, w do to_bucket[a] = {} end
 local function add_to_bucket(id, a, v)
-  redis.call('ZADD', bucket_key(a, v), 0, id)
-  redis.call('HINCRBY', base .. ':n:' .. a, v, 1)
+  local ids = to_bucket[a][v]
+  if ids == nil then
+    ids = {}
+    to_bucket[a][v] = ids
+  end
+  ids[#ids + 1] = id
+end
+
+local function store_bucket_additions()
+  for a = 1, w do
+    for v, ids in pairs(to_bucket[a]) do
+      for start = 1, #ids, 1000 do
+        local members = {}
+        for j = start, math.min(start + 999, #ids) do
+          members[#members + 1] = 0
+          members[#members + 1] = ids[j]
+        end
+        redis.call('ZADD', bucket_key(a, v), unpack(members))
+      end
+      redis.call('HINCRBY', base .. ':n:' .. a, v, #ids)
+    end
+  end
 end
 
 open_dedup(base, n, 7)
+-- HSETNX: an id stored twice would count twice in its buckets, and a cut would then pop
+-- an empty bucket. Which ids :rec holds is asked once for the whole batch.
+local stored = {}
+for start = 1, n, 1000 do
+  local ids = {}
+  for r = start, math.min(start + 999, n) do ids[#ids + 1] = string.sub(ARGV[7 + r], 1, 32) end
+  local found = redis.call('HMGET', k_rec, unpack(ids))
+  for j, id in ipairs(ids) do
+    if found[j] then stored[id] = true end
+  end
+end
 local any_holes = redis.call('SCARD', k_holes) > 0
 local added = 0
 for r = 1, n do
   local id, fingerprint, fields = parse(ARGV[7 + r], 4)
-  -- HSETNX: an id stored twice would count twice in its buckets, and a cut would then
-  -- pop an empty bucket.
   local fresh = first_seen(r, fingerprint, fields[4])
-  if fresh and (records[id] or redis.call('HEXISTS', k_rec, id) == 1) then
+  if fresh and (records[id] or arrived[id] or stored[id]) then
     status[#status + 1] = r
     status[#status + 1] = 1
     redelivered = redelivered + 1
@@ -176,8 +227,7 @@ for r = 1, n do
     local public, values, draws = fields[1], split(fields[2]), split(fields[3])
     for a = 1, w do draws[a] = tonumber(draws[a]) end
     local record = {now, public, values, draws, {}, w, {}, {}}
-    records[id], dirty[id] = record, true
-    redis.call('ZADD', k_time, now, id)
+    records[id], dirty[id], arrived[id] = record, true, true
     for a = 1, w do
       local number = any_holes and redis.call('LPOP', hole_key(a, values[a]))
       if number then
@@ -193,6 +243,8 @@ for r = 1, n do
   end
 end
 
+store_bucket_additions()
+
 -- Keyed uniforms: SHA-1 of a secret per-partition seed and a persistent counter, so
 -- no two cuts reuse randomness and a replay of the same state cuts the same groups.
 local drawn = tonumber(redis.call('HGET', k_stats, 'draws') or '0')
@@ -203,7 +255,6 @@ local uniform, draws = sha1_uniforms(seed, drawn, 8)
 -- would push it further over its share); the rest are chosen one by one with
 -- probability proportional to bucket size among the values not yet in the group.
 local groups = 0
-local numbered = tonumber(redis.call('HGET', k_stats, 'groups') or '0')
 local function cut(a)
   local key_counts = base .. ':n:' .. a
   local flat = redis.call('HGETALL', key_counts)
@@ -216,6 +267,10 @@ local function cut(a)
     if c > 0 then nonempty = nonempty + 1 end
   end
   table.sort(values, numeric)
+  -- The values of every group first: they depend on bucket sizes only. Then each bucket
+  -- gives all the members it owes at once (ZPOPMIN with a count takes the same smallest
+  -- ids, in the same order, as one pop per group).
+  local plan, owed = {}, {}
   while nonempty >= gamma do
     local chosen, taken, weight = {}, {}, 0
     for _, v in ipairs(values) do
@@ -240,12 +295,24 @@ local function cut(a)
       weight = weight + size[pick]
     end
     table.sort(chosen, numeric)
-    local members = {}
-    for j, v in ipairs(chosen) do
-      members[j] = redis.call('ZPOPMIN', bucket_key(a, v))[1]
+    for _, v in ipairs(chosen) do
+      owed[v] = (owed[v] or 0) + 1
       size[v] = size[v] - 1
       pending = pending - 1
       if size[v] == 0 then nonempty = nonempty - 1 end
+    end
+    plan[#plan + 1] = chosen
+  end
+  local popped = {}
+  for v, count in pairs(owed) do
+    popped[v] = {list = redis.call('ZPOPMIN', bucket_key(a, v), count), next = 1}
+  end
+  for _, chosen in ipairs(plan) do
+    local members = {}
+    for j, v in ipairs(chosen) do
+      local from = popped[v]
+      members[j] = from.list[from.next]
+      from.next = from.next + 2
     end
     groups = groups + 1
     local number = numbered + groups
@@ -258,6 +325,7 @@ local function cut(a)
       redis.call('HSET', group_key(number), 'open', open, 'values', table.concat(chosen, ','),
         'members', table.concat(members, ','))
       redis.call('SADD', k_open, number)
+      cut_open[number] = true
     end
     for _, id in ipairs(done) do completed(id, records[id], number) end
     drain_seals()
@@ -314,6 +382,19 @@ local function suppress(id)
   end
 end
 
+-- Arrivals of this call that still wait for a group enter the arrival index now.
+local waiting_arrivals = {}
+for id, state in pairs(arrived) do
+  if state == true and not finished[id] then
+    waiting_arrivals[#waiting_arrivals + 1] = now
+    waiting_arrivals[#waiting_arrivals + 1] = id
+    arrived[id] = 'indexed'
+  end
+end
+for start = 1, #waiting_arrivals, 2000 do
+  redis.call('ZADD', k_time, unpack(waiting_arrivals, start, math.min(start + 1999, #waiting_arrivals)))
+end
+
 local suppressed = 0
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', k_time, '-inf', now - max_wait)) do
   -- A replacement taken earlier in this loop may have been grouped on its last attribute.
@@ -325,6 +406,12 @@ end
 
 for id in pairs(dirty) do
   redis.call('HSET', k_rec, id, cmsgpack.pack(records[id]))
+end
+for start = 1, #unstored, 1000 do
+  redis.call('HDEL', k_rec, unpack(unstored, start, math.min(start + 999, #unstored)))
+end
+for start = 1, #pool_entries, 2000 do
+  redis.call('ZADD', k_pool, unpack(pool_entries, start, math.min(start + 1999, #pool_entries)))
 end
 
 local buffered = {k_rec, k_time, k_open, k_holes}

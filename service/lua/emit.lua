@@ -37,8 +37,19 @@ if count <= 0 then return '' end
 local uniform = sha1_uniforms(seed, 0, 12)
 
 -- A partial Fisher-Yates shuffle of the whole pool: its first `count` positions are a
--- uniformly drawn, uniformly ordered sample.
-local members = redis.call('ZRANGE', k_pool, 0, -1)
+-- uniformly drawn, uniformly ordered sample. A small take from a large pool (a backlog)
+-- reads only the positions it touches, by rank, instead of the whole pool each time:
+-- the same swaps on the same positions, so the same sample in the same order.
+local members
+if 4 * count >= size then
+  members = redis.call('ZRANGE', k_pool, 0, -1)
+else
+  members = setmetatable({}, {__index = function(read, position)
+    local member = redis.call('ZRANGE', k_pool, position - 1, position - 1)[1]
+    rawset(read, position, member)
+    return member
+  end})
+end
 for i = 1, count do
   local j = i + math.floor(uniform() * (size - i + 1))
   members[i], members[j] = members[j], members[i]
@@ -46,13 +57,13 @@ end
 
 -- Time from arrival to emission, as a histogram: operators see delays, never per record.
 -- DELAY_BOUNDS (ms) is prepended at registration from service.metrics.DELAY_BOUNDS_MS.
-local in_bucket, total_ms, lines, taken = {}, 0, {}, {}
+local in_bucket, total_ms, lines, taken, flight = {}, 0, {}, {}, {}
 for j = 1, count do
   local entry = members[j]
   -- 128 bits of SHA-1 of the fresh seed: unique and unpredictable per record.
   local token = string.sub(redis.sha1hex(seed .. ':t:' .. j), 1, 32)
   taken[j] = entry
-  redis.call('HSET', k_inflight, token, entry)
+  flight[2 * j - 1], flight[2 * j] = token, entry
   lines[j] = token .. ' ' .. entry
   local delay = math.max(now - tonumber(string.match(entry, '|(%d+)|[^|]*$')), 0)
   local bucket = '+Inf'
@@ -65,8 +76,12 @@ for j = 1, count do
   in_bucket[bucket] = (in_bucket[bucket] or 0) + 1
   total_ms = total_ms + delay
 end
+-- In chunks: Lua's unpack() stops at a few thousand values.
 for start = 1, count, 4000 do
   redis.call('ZREM', k_pool, unpack(taken, start, math.min(start + 3999, count)))
+end
+for start = 1, count, 1000 do
+  redis.call('HSET', k_inflight, unpack(flight, 2 * start - 1, 2 * math.min(start + 999, count)))
 end
 for bucket, n in pairs(in_bucket) do
   redis.call('HINCRBY', k_delay, bucket, n)

@@ -1,0 +1,103 @@
+"""Bulk consumption: each fetched batch handled whole, around Faust's per-message machinery.
+
+Faust hands a topic's messages to an agent one by one: a ``Message`` and an
+``Event`` per record, two tasks per record to race the callback against flow
+control, a queue, and an ack per record. On this machine that was over half of a
+worker's CPU per record. A bulk topic skips it: the Faust consumer (its group
+membership, rebalancing, flow control and offset commits stay Faust's) fetches as
+usual, and the fetcher hands each fetch, partition by partition, to one handler.
+
+The commit rule is the worker's: a fetch's offsets are committed only after the
+handler returned, i.e. after Redis (with fsync on every write) holds the batch.
+A handler that fails ends the process before anything is committed, so the
+batch is redelivered and the handler's idempotence absorbs whatever part of it
+was done. A handler cancelled by a shutdown or a rebalance commits nothing
+either; a commit for a partition revoked meanwhile is discarded by Faust, and
+the partition's next owner reads the batch again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import faust
+from aiokafka.structs import ConsumerRecord
+from faust.transport.drivers import aiokafka as faust_aiokafka
+from faust.types import TP
+from mode import ServiceT
+
+log = logging.getLogger("splu.bulk")
+
+EXIT_UNSTORED = 75  # EX_TEMPFAIL: a batch could not be stored; it will be redelivered
+# A fault point for the tests: with N set, the process ends right after handling its Nth
+# fetch, before committing it, the window a crash of the bulk path is most likely to hit.
+FAULT_EXIT_BEFORE_COMMIT = "SPLU_FAULT_EXIT_BEFORE_COMMIT"
+EXIT_FAULT = 70
+FETCH_TIMEOUT = 1.0  # seconds one fetch waits for records
+
+BulkHandler = Callable[[Mapping[TP, list[ConsumerRecord]]], Awaitable[Any]]
+
+
+class BulkConsumer(faust_aiokafka.Consumer):
+    """Faust's aiokafka consumer whose fetcher hands whole fetches to the transport's
+    bulk handler, then commits them."""
+
+    async def _drain_messages(self, fetcher: ServiceT) -> None:
+        handle: BulkHandler = self.transport.bulk_handler  # type: ignore[attr-defined]
+        fetches_before_fault = int(os.environ.get(FAULT_EXIT_BEFORE_COMMIT, "0"))
+        while not (self.should_stop or fetcher.should_stop):
+            records, active = await self._wait_next_records(FETCH_TIMEOUT)
+            if not records or self.should_stop:
+                continue
+            if not self.flow_active:
+                # A rebalance began during the fetch: read again from the committed offsets.
+                await self.perform_seek()
+                continue
+            batch = {
+                tp: messages
+                for tp, messages in records.items()
+                if messages and (active is None or tp in active)
+            }
+            if not batch:
+                continue
+            await handled(handle, batch)
+            if fetches_before_fault:
+                fetches_before_fault -= 1
+                if not fetches_before_fault:
+                    log.critical(
+                        "fault point %s: exiting before a commit", FAULT_EXIT_BEFORE_COMMIT
+                    )
+                    os._exit(EXIT_FAULT)
+            for tp, messages in batch.items():
+                self._read_offset[tp] = messages[-1].offset
+            await self._commit_offsets({tp: m[-1].offset + 1 for tp, m in batch.items()})
+
+
+async def handled(handle: BulkHandler, batch: Mapping[TP, list[ConsumerRecord]]) -> Any:
+    """Run the handler on a batch; if it fails, end the process before anything is
+    committed (with the traceback: a message that breaks the handler must be findable)."""
+    try:
+        return await handle(batch)
+    except Exception:
+        log.critical("a batch could not be stored; exiting before it is committed", exc_info=True)
+        os._exit(EXIT_UNSTORED)
+
+
+class BulkTransport(faust_aiokafka.Transport):
+    Consumer = BulkConsumer
+
+    def __init__(self, app: faust.App, handle: BulkHandler) -> None:
+        super().__init__(app.conf.broker_consumer, app)
+        self.bulk_handler = handle
+
+
+def consume_in_bulk(app: faust.App, topic: faust.TopicT, handle: BulkHandler) -> None:
+    """Subscribe `app` to `topic` and hand every fetch of it to `handle`, partition by
+    partition, committing each fetch once the handler returned. The app's only topic."""
+    if app._consumer is not None:  # type: ignore[attr-defined]
+        raise RuntimeError("consume_in_bulk must come before the app's consumer exists")
+    app.transport = BulkTransport(app, handle)
+    app.topics.add(topic)
