@@ -502,7 +502,7 @@ async def anchor_stage(config: StreamConfig) -> None:
     fetched = 0
     with anchor_progress_path(config.source).open("w") as progress:
         while True:
-            # Batches as large and as patient as the worker's.
+            # Batches as large and as patient as the worker's; the output keeps the partition.
             batch = await consumer.getmany(
                 timeout_ms=int(config.batch_wait * 1000), max_records=config.batch_size
             )
@@ -513,18 +513,18 @@ async def anchor_stage(config: StreamConfig) -> None:
             progress.write(f"{fetched} {done}\n")
             progress.flush()
             futures = []
-            for partition, messages in batch.items():
+            for source, messages in batch.items():
                 builder = producer.create_batch()
                 for message in messages:
                     value = json.dumps(json.loads(message.value), separators=(",", ":")).encode()
                     if builder.append(key=message.key, value=value, timestamp=None) is None:
                         futures.append(
-                            await producer.send_batch(builder, topic, partition=partition.partition)
+                            await producer.send_batch(builder, topic, partition=source.partition)
                         )
                         builder = producer.create_batch()
                         builder.append(key=message.key, value=value, timestamp=None)
                 futures.append(
-                    await producer.send_batch(builder, topic, partition=partition.partition)
+                    await producer.send_batch(builder, topic, partition=source.partition)
                 )
             await asyncio.gather(*futures)
             await consumer.commit()
