@@ -27,7 +27,7 @@ BENCH = Path(__file__).parents[1] / "bench"
         ),
         (
             "stream_throughput.py",
-            ["--records", "5000", "--buffered", "5000"],
+            ["--records", "5000", "--buffered", "5000", "--backfill", "0", "--no-targets"],
             "Redis bytes per buffered record",
         ),
     ],
