@@ -38,8 +38,6 @@ from service.ingest import PreparedBatch
 from service.metrics import DELAY_BOUNDS_MS
 from service.prf import ServiceKey
 
-# Tokens per acknowledgement call: Lua's unpack() has a stack limit of a few thousand.
-_ACK_CHUNK = 1000
 # Fresh OS randomness behind each take's shuffle and tokens: 128 bits, beyond any search.
 SHUFFLE_SEED_BYTES = 16
 
@@ -388,8 +386,7 @@ class StreamBuffer(BufferState):
 
     async def acknowledge(self, partition: int, tokens: list[str], now_ms: int) -> None:
         """Forget emissions the broker acknowledged, counting them into the truth tally."""
-        for start in range(0, len(tokens), _ACK_CHUNK):
-            chunk = tokens[start : start + _ACK_CHUNK]
+        if tokens:
             await self._acknowledge(
-                keys=[self.prefix(partition)], args=[now_ms, self._retention, *chunk]
+                keys=[self.prefix(partition)], args=[now_ms, self._retention, *tokens]
             )

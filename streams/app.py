@@ -47,7 +47,7 @@ from redis.exceptions import RedisError
 
 from service.buffer import BufferState, StreamBuffer, connect
 from service.config import StreamConfig
-from service.ingest import Preparer, RawMessage, Rejected
+from service.ingest import PreparedBatch, Preparer, RawMessage, Rejected
 from service.prf import ServiceKey
 from service.schema import Rejection
 from streams.bulk import consume_in_bulk
@@ -58,7 +58,7 @@ EMIT_INTERVAL = 0.5  # seconds between emission rounds
 RETRY_CEILING = 5.0  # seconds between retries while Redis or Kafka is away
 # Failures of Redis or Kafka that end by themselves; anything else is a bug.
 TRANSIENT = (RedisError, KafkaError, OSError, asyncio.TimeoutError)
-EMIT_CHUNK = 5000  # records per take from one pool
+EMIT_CHUNK = 20_000  # records per take from one pool: a backlog leaves in few Redis calls
 TICK_INTERVAL = 1.0  # seconds between time-driven steps
 
 
@@ -161,7 +161,11 @@ class BatchMonitor(Monitor):
 
 
 def faust_app(
-    config: StreamConfig, name: str, datadir: Path, web: tuple[str, int] | None = None
+    config: StreamConfig,
+    name: str,
+    datadir: Path,
+    web: tuple[str, int] | None = None,
+    fetch_records: int | None = None,
 ) -> faust.App:
     """A Faust app with the settings every process of a stream uses.
 
@@ -169,6 +173,7 @@ def faust_app(
     few seconds (tansu, tests); topics are never declared by Faust, because
     the stream's partition count is created explicitly (`streams/topics.py`).
     `web` (host, port) serves the app's own pages and no Faust debug pages.
+    `fetch_records` caps a fetch (default: the stream's batch_size).
     """
     web_settings: dict = {"web_enabled": False}
     if web is not None:
@@ -192,7 +197,7 @@ def faust_app(
         broker_heartbeat_interval=1,
         broker_commit_every=config.batch_size,
         broker_commit_interval=1.0,
-        broker_max_poll_records=config.batch_size,
+        broker_max_poll_records=fetch_records or config.batch_size,
         stream_buffer_maxsize=2 * config.batch_size,
         store="memory://",
         datadir=datadir,
@@ -308,10 +313,11 @@ def add_ingest(
             where = f"{r.message.partition}/{r.message.offset}"
             log.warning("rejected %s: %s", where, r.rejection.reason)
 
-    async def store(messages: list[RawMessage]) -> list[tuple[int, int]]:
-        """Buffer one batch and send its rejections; (partition, records held) per partition:
-        waiting for a group or release, and pooled."""
-        batches, rejected = preparer.prepare(messages)
+    async def store(
+        batches: list[PreparedBatch], rejected: list[Rejected]
+    ) -> list[tuple[int, int]]:
+        """Buffer one prepared batch and send its rejections; (partition, records held)
+        per partition: waiting for a group or release, and pooled."""
         now = now_ms()
         outcomes = await asyncio.gather(
             *(retrying("storing a batch", buffer.ingest, b.partition, b, now) for b in batches)
@@ -328,18 +334,24 @@ def add_ingest(
             await retrying("counting rejections", buffer.count_rejected, counts)
         return [(b.partition, o.pending + o.pool) for b, o in zip(batches, outcomes, strict=True)]
 
+    # Fetches are prepared as they come (one may be prepared while the previous one is
+    # being stored) but stored one after another, in the order of their offsets.
+    in_order = asyncio.Lock()
+
     async def ingest(fetched: Mapping[TP, list[ConsumerRecord]]) -> None:
         messages = [
             RawMessage(m.partition, m.offset, m.key, m.value)
             for records in fetched.values()
             for m in records
         ]
-        for partition, held in await store(messages):
-            while held >= config.buffer_cap:
-                # Backpressure: hold the consumer until time or publication frees room.
-                await asyncio.sleep(config.batch_wait)
-                tick = await retrying("ticking", buffer.ingest, partition, None, now_ms())
-                held = tick.pending + tick.pool
+        prepared = preparer.prepare(messages)
+        async with in_order:
+            for partition, held in await store(*prepared):
+                while held >= config.buffer_cap:
+                    # Backpressure: hold the consumer until time or publication frees room.
+                    await asyncio.sleep(config.batch_wait)
+                    tick = await retrying("ticking", buffer.ingest, partition, None, now_ms())
+                    held = tick.pending + tick.pool
 
     consume_in_bulk(app, raw, ingest)
 

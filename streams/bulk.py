@@ -18,8 +18,10 @@ the partition's next owner reads the batch again.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -37,6 +39,7 @@ EXIT_UNSTORED = 75  # EX_TEMPFAIL: a batch could not be stored; it will be redel
 FAULT_EXIT_BEFORE_COMMIT = "SPLU_FAULT_EXIT_BEFORE_COMMIT"
 EXIT_FAULT = 70
 FETCH_TIMEOUT = 1.0  # seconds one fetch waits for records
+FETCHES_IN_HAND = 2  # fetches handled at once, so that CPU and Redis work overlap
 
 BulkHandler = Callable[[Mapping[TP, list[ConsumerRecord]]], Awaitable[Any]]
 
@@ -48,32 +51,46 @@ class BulkConsumer(faust_aiokafka.Consumer):
     async def _drain_messages(self, fetcher: ServiceT) -> None:
         handle: BulkHandler = self.transport.bulk_handler  # type: ignore[attr-defined]
         fetches_before_fault = int(os.environ.get(FAULT_EXIT_BEFORE_COMMIT, "0"))
-        while not (self.should_stop or fetcher.should_stop):
-            records, active = await self._wait_next_records(FETCH_TIMEOUT)
-            if not records or self.should_stop:
-                continue
-            if not self.flow_active:
-                # A rebalance began during the fetch: read again from the committed offsets.
-                await self.perform_seek()
-                continue
-            batch = {
-                tp: messages
-                for tp, messages in records.items()
-                if messages and (active is None or tp in active)
-            }
-            if not batch:
-                continue
-            await handled(handle, batch)
-            if fetches_before_fault:
-                fetches_before_fault -= 1
-                if not fetches_before_fault:
-                    log.critical(
-                        "fault point %s: exiting before a commit", FAULT_EXIT_BEFORE_COMMIT
-                    )
-                    os._exit(EXIT_FAULT)
-            for tp, messages in batch.items():
-                self._read_offset[tp] = messages[-1].offset
-            await self._commit_offsets({tp: m[-1].offset + 1 for tp, m in batch.items()})
+        # Fetches being handled, oldest first: the next fetch's CPU work (parsing,
+        # validation) runs while the previous one waits on Redis. Each is committed only
+        # after it and every older one were handled.
+        handling: deque[tuple[asyncio.Task, dict[TP, int]]] = deque()
+        try:
+            while not (self.should_stop or fetcher.should_stop):
+                while handling and (len(handling) >= FETCHES_IN_HAND or handling[0][0].done()):
+                    task, offsets = handling.popleft()
+                    await task
+                    if fetches_before_fault:
+                        fetches_before_fault -= 1
+                        if not fetches_before_fault:
+                            log.critical("fault point: exiting before a commit")
+                            os._exit(EXIT_FAULT)
+                    await self._commit_offsets(offsets)
+                records, active = await self._wait_next_records(
+                    FETCH_TIMEOUT if not handling else 0
+                )
+                if not records or self.should_stop:
+                    if handling and not records:
+                        await asyncio.wait([handling[0][0]])
+                    continue
+                if not self.flow_active:
+                    # A rebalance began during the fetch: read again from committed offsets.
+                    await self.perform_seek()
+                    continue
+                batch = {
+                    tp: messages
+                    for tp, messages in records.items()
+                    if messages and (active is None or tp in active)
+                }
+                if not batch:
+                    continue
+                for tp, messages in batch.items():
+                    self._read_offset[tp] = messages[-1].offset
+                offsets = {tp: messages[-1].offset + 1 for tp, messages in batch.items()}
+                handling.append((asyncio.ensure_future(handled(handle, batch)), offsets))
+        finally:
+            for task, _ in handling:
+                task.cancel()
 
 
 async def handled(handle: BulkHandler, batch: Mapping[TP, list[ConsumerRecord]]) -> Any:

@@ -60,6 +60,8 @@ log = logging.getLogger("splu.consumer")
 REFRESH_INTERVAL = 1.0  # seconds between checks for new counts
 SAMPLE_INTERVAL = 2.0  # seconds between history samples for the live page
 HISTORY = 600  # samples kept: 20 minutes
+# Published records per fetch: counting one is a Lua call and a commit, whatever its size.
+COUNT_FETCH = 10_000
 PAUSE_PREFIX = "privacy test failed: "
 PAIR_SEPARATOR = re.compile(r",(?=[^,:]+:)")
 # Counters a worker creates on first use; shown as 0 until then.
@@ -322,7 +324,10 @@ def query_from_parameters(request: Request) -> dict[str, Any]:
 
 def create_consumer_app(config: StreamConfig, datadir: Path, host: str, port: int) -> faust.App:
     """The consumer app for one stream, serving its pages on host:port."""
-    app = faust_app(config, f"splu-{config.name}-consumer", datadir, web=(host, port))
+    app = faust_app(
+        config, f"splu-{config.name}-consumer", datadir, web=(host, port),
+        fetch_records=COUNT_FETCH,
+    )  # fmt: skip
     published = app.topic(
         config.topics["published"], partitions=config.partitions, value_serializer="raw",
         key_serializer="raw",

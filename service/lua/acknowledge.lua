@@ -21,8 +21,15 @@ end
 redis.call('HSET', k_stats, 'truth_epoch', math.max(epoch, last))
 local k_truth, k_shown = base .. ':truth:' .. epoch, base .. ':shown:' .. epoch
 
-local tokens = {unpack(ARGV, 3)}
-local entries = redis.call('HMGET', k_inflight, unpack(tokens))
+-- One call per take, however large: tokens go to Redis in slices, as Lua's unpack() stops
+-- at a few thousand values.
+local entries = {}
+for start = 3, #ARGV, 1000 do
+  local stop = math.min(start + 999, #ARGV)
+  for _, entry in ipairs(redis.call('HMGET', k_inflight, unpack(ARGV, start, stop))) do
+    entries[#entries + 1] = entry
+  end
+end
 local removed, truth, shown = 0, {}, {}
 for _, entry in ipairs(entries) do
   if entry then
@@ -37,7 +44,9 @@ end
 for cell, n in pairs(truth) do redis.call('HINCRBY', k_truth, cell, n) end
 for cell, n in pairs(shown) do redis.call('HINCRBY', k_shown, cell, n) end
 if removed > 0 then
-  redis.call('HDEL', k_inflight, unpack(tokens))
+  for start = 3, #ARGV, 1000 do
+    redis.call('HDEL', k_inflight, unpack(ARGV, start, math.min(start + 999, #ARGV)))
+  end
   redis.call('PEXPIRE', k_truth, 2 * retention)
   redis.call('PEXPIRE', k_shown, 2 * retention)
 end
