@@ -74,7 +74,7 @@ unique in the stream; nothing else leaves: no record ids, no arrival times, no
 source positions.
 
 Failure handling. Offsets are committed only after the ingest call returned
-(`streams.app.durable_batches`); a replay is absorbed by the dedup keys. A crash
+(`streams/bulk.py`); a replay is absorbed by the dedup keys. A crash
 before *stage* recomputes the same output and stages it with new tokens (nothing
 was sent); a crash after it re-sends the staged output under its tokens, possibly
 a second time, which consumers absorb by token; records are deleted only by

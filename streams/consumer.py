@@ -2,8 +2,8 @@
 
 One Faust app per stream, in its own consumer group on ``<stream>.published``:
 
-- ``count`` (agent) counts each published record once by its token, into
-  cells kept in Redis (`service.running_counts`); offsets are committed only
+- ``count`` (whole fetches, `streams.bulk`) counts each published record once by its
+  token, into cells kept in Redis (`service.running_counts`); offsets are committed only
   after Redis has the batch, so counts survive any restart.
 - ``refresh`` (timer) rebuilds the in-memory reconstruction when the counts
   changed; queries never scan rows, only the distinct cells.
@@ -74,7 +74,7 @@ def query_name(query: Query) -> str:
 
 
 class Consumer:
-    """State behind the consumer's agent, timers and pages."""
+    """State behind the consumer's counting, timers and pages."""
 
     def __init__(self, config: StreamConfig, client: aioredis.Redis, publisher: Publisher) -> None:
         self.config = config

@@ -1,13 +1,13 @@
 """The worker of a windowed stream: a batch mechanism per window (`service/windowed.py`).
 
 One Faust app per stream, like `streams/app.py`, whose pieces it reuses
-(`faust_app`, `durable_batches`, `Publisher`, `retrying`):
+(`faust_app`, `add_ingest` on `streams/bulk.py`, `Publisher`, `retrying`):
 
-- ``ingest`` (agent on ``<stream>.raw``) validates each batch (`WindowPreparer`:
-  rejections go to ``<stream>.rejected``) and stores it in its partition's open
-  window with one Lua call, which also closes the windows now full. Offsets are
-  acknowledged only after that call returned; while a partition buffers
-  ``buffer_cap`` records or more (open and closed windows), the agent waits.
+- ``ingest`` (whole fetches of ``<stream>.raw``, `streams.bulk`) validates each batch
+  (`WindowPreparer`: rejections go to ``<stream>.rejected``) and stores it in its
+  partition's open window with one Lua call, which also closes the windows now full. Offsets are
+  committed only after that call returned; while a partition buffers
+  ``buffer_cap`` records or more (open and closed windows), the handler waits.
 - ``tick`` (timer, 1 s) makes the same call without records, so a window whose
   first record waited ``max_window_wait`` closes.
 - ``emit`` (a task) takes each owned partition's oldest closed window, runs the
