@@ -69,7 +69,7 @@ import numpy as np
 import tomli_w
 from aiokafka import AIOKafkaProducer
 from aiokafka.producer.message_accumulator import BatchBuilder
-from report import Result, log, print_table
+from report import Result, log, log_tail, print_table, status
 
 from deploy.embedded import EmbeddedServers, ManagedProcess, free_port, spawn_consumer
 from service import client
@@ -96,7 +96,6 @@ HTTP_TIMEOUT = 10.0  # seconds per request
 COMPARED = ("estimate", "low", "high", "published", "rows")
 SHOWN_MISMATCHES = 5
 REBUILDS = 3  # timed rebuilds of the consumer's reconstruction; the median is shown
-PROGRESS_EVERY = 5.0  # seconds between progress lines when stderr is not a terminal
 
 
 @dataclass(frozen=True)
@@ -128,24 +127,6 @@ class Measured:
     columns: list[str]  # public columns of the workload
     queries: list[Query]
     timings: Timings
-
-
-_shown = [0.0]  # when the last progress line was written (off a terminal)
-
-
-def status(text: str, last: bool = False) -> None:
-    """A progress line: redrawn in place on a terminal, else one every PROGRESS_EVERY s."""
-    if sys.stderr.isatty():
-        print(f"\r  {text}", end="\n" if last else "", file=sys.stderr, flush=True)
-    elif last or time.monotonic() - _shown[0] >= PROGRESS_EVERY:
-        _shown[0] = time.monotonic()
-        log(f"  {text}")
-
-
-def log_tail(path: Path, lines: int = 20) -> str:
-    if not path.exists():
-        return ""
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
 def write_config(work: Path, name: str, kafka: str, redis: str, partitions: int) -> StreamConfig:

@@ -7,7 +7,9 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
+PROGRESS_EVERY = 5.0  # seconds between progress lines when stderr is not a terminal
 # Random query draws allowed per query wanted, so an impossible filter fails instead of spinning.
 DRAW_LIMIT = 1000
 
@@ -15,6 +17,25 @@ DRAW_LIMIT = 1000
 def log(message: str) -> None:
     """Progress goes to stderr so stdout holds only the results."""
     print(message, file=sys.stderr, flush=True)
+
+
+_shown = [0.0]  # when the last progress line was written (off a terminal)
+
+
+def status(text: str, last: bool = False) -> None:
+    """A progress line: redrawn in place on a terminal, else one every PROGRESS_EVERY s."""
+    if sys.stderr.isatty():
+        print(f"\r  {text}", end="\n" if last else "", file=sys.stderr, flush=True)
+    elif last or time.monotonic() - _shown[0] >= PROGRESS_EVERY:
+        _shown[0] = time.monotonic()
+        log(f"  {text}")
+
+
+def log_tail(path: Path, lines: int = 20) -> str:
+    """The last lines of a process's log, for an error message."""
+    if not path.exists():
+        return ""
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
 def print_table(header: list[str], rows: list[list[str]]) -> None:

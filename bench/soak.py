@@ -106,8 +106,8 @@ import redis.asyncio as aioredis
 import tomli_w
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
-from report import log, print_table
-from stream_throughput import adult_rows, log_tail, resample, stream_document, wait_until_owned
+from report import log, log_tail, print_table
+from stream_throughput import adult_rows, resample, stream_document, wait_until_owned
 
 from deploy.embedded import (
     EmbeddedServers,

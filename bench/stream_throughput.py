@@ -108,7 +108,7 @@ import redis.asyncio as aioredis
 import tomli_w
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.structs import ConsumerRecord
-from report import Result, log, print_table
+from report import Result, log, log_tail, print_table, status
 
 from deploy.embedded import (
     EmbeddedServers,
@@ -148,7 +148,6 @@ POLL = 0.25  # seconds between progress polls afterwards
 READY_TIMEOUT = 60.0  # seconds for a process to start and own every partition
 SLOWEST_RATE = 500.0  # records/s below which a phase is taken as stuck and stopped
 CREATE_TIME = 0  # Kafka timestamp type set by the producer at send
-PROGRESS_EVERY = 5.0  # seconds between progress lines when stderr is not a terminal
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 SHOWN_USEC = 0.05  # µs per record below which Redis commands are summed into one row
 # Redis data types by the commands the Lua steps and the worker call, for the CPU table.
@@ -308,24 +307,6 @@ def resample(
     rows: list[dict[str, str]], count: int, rng: np.random.Generator
 ) -> list[dict[str, str]]:
     return [rows[i] for i in rng.integers(0, len(rows), count)]
-
-
-_shown = [0.0]  # when the last progress line was written (off a terminal)
-
-
-def status(text: str, last: bool = False) -> None:
-    """A progress line: redrawn in place on a terminal, else one every PROGRESS_EVERY s."""
-    if sys.stderr.isatty():
-        print(f"\r  {text}", end="\n" if last else "", file=sys.stderr, flush=True)
-    elif last or time.monotonic() - _shown[0] >= PROGRESS_EVERY:
-        _shown[0] = time.monotonic()
-        log(f"  {text}")
-
-
-def log_tail(path: Path, lines: int = 20) -> str:
-    if not path.exists():
-        return ""
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
 def stuck(what: str, log_path: Path) -> SystemExit:
@@ -577,6 +558,19 @@ async def anchor_capacity(
     return Capacity(records, (max(stamps) - min(stamps)) / 1000, span.of("cpu"))
 
 
+async def backlog(
+    config: StreamConfig, messages: list[tuple[bytes, bytes]]
+) -> tuple[int, float, aioredis.Redis, StreamBuffer]:
+    """Produce `messages` to a fresh stream before its worker starts; returns their number,
+    the deadline for settling them, and a client and buffer to follow the worker with."""
+    await create_topics(config.kafka_bootstrap, config.topic_partitions)
+    await pre_produce(config, messages)
+    records = len(messages)
+    deadline = time.monotonic() + READY_TIMEOUT + records / SLOWEST_RATE + config.max_wait
+    client = aioredis.from_url(config.redis_url)
+    return records, deadline, client, StreamBuffer(client, config, config.service_key())
+
+
 async def pipeline_capacity(
     config: StreamConfig,
     messages: list[tuple[bytes, bytes]],
@@ -585,12 +579,7 @@ async def pipeline_capacity(
     servers: Endpoints,
 ) -> Pipeline:
     """The pipeline's run on pre-produced records, its CPU and Redis commands."""
-    await create_topics(config.kafka_bootstrap, config.topic_partitions)
-    await pre_produce(config, messages)
-    records = len(messages)
-    deadline = time.monotonic() + READY_TIMEOUT + records / SLOWEST_RATE + config.max_wait
-    client = aioredis.from_url(config.redis_url)
-    buffer = StreamBuffer(client, config, config.service_key())
+    records, deadline, client, buffer = await backlog(config, messages)
     progress = BufferProgress(buffer, records)
     before = await buffer.memory()
     log_path = work / "pipeline.log"
@@ -651,12 +640,7 @@ async def backfill(
     config: StreamConfig, messages: list[tuple[bytes, bytes]], env: Mapping[str, str], work: Path
 ) -> Backfill:
     """A worker started on a backlog: the time until every record is settled."""
-    await create_topics(config.kafka_bootstrap, config.topic_partitions)
-    await pre_produce(config, messages)
-    records = len(messages)
-    deadline = time.monotonic() + READY_TIMEOUT + records / SLOWEST_RATE + config.max_wait
-    client = aioredis.from_url(config.redis_url)
-    buffer = StreamBuffer(client, config, config.service_key())
+    records, deadline, client, buffer = await backlog(config, messages)
     log_path = work / "backfill.log"
     spawned = time.time()
     worker = spawn_worker(config.source, env, log_path)

@@ -40,8 +40,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from aiokafka.producer.message_accumulator import BatchBuilder
 from aiokafka.structs import ConsumerRecord
-from faust.sensors.monitor import Monitor
-from faust.types import TP, EventT, Message, StreamT
+from faust.types import TP
 from mode import Service
 from redis.exceptions import RedisError
 
@@ -137,29 +136,6 @@ class Publisher(Service):
         return sent
 
 
-class BatchMonitor(Monitor):
-    """Faust's monitor without its per-message bookkeeping, a large share of a worker's CPU.
-
-    The stream's own counters live in Redis, one update per batch.
-    """
-
-    def on_message_in(self, tp: TP, offset: int, message: Message) -> None:
-        return None
-
-    def on_stream_event_in(
-        self, tp: TP, offset: int, stream: StreamT, event: EventT
-    ) -> dict | None:
-        return None
-
-    def on_stream_event_out(
-        self, tp: TP, offset: int, stream: StreamT, event: EventT, state: dict | None = None
-    ) -> None:
-        return None
-
-    def on_message_out(self, tp: TP, offset: int, message: Message) -> None:
-        return None
-
-
 def faust_app(
     config: StreamConfig,
     name: str,
@@ -173,7 +149,9 @@ def faust_app(
     few seconds (tansu, tests); topics are never declared by Faust, because
     the stream's partition count is created explicitly (`streams/topics.py`).
     `web` (host, port) serves the app's own pages and no Faust debug pages.
-    `fetch_records` caps a fetch (default: the stream's batch_size).
+    `fetch_records` caps a fetch (default: the stream's batch_size). Every topic is
+    consumed whole (`streams.bulk`), so Faust's per-message stream settings (commit
+    counts, stream buffers, the monitor's per-message hooks) play no part.
     """
     web_settings: dict = {"web_enabled": False}
     if web is not None:
@@ -195,14 +173,10 @@ def faust_app(
         broker_rebalance_timeout=3,
         broker_session_timeout=6,
         broker_heartbeat_interval=1,
-        broker_commit_every=config.batch_size,
-        broker_commit_interval=1.0,
         broker_max_poll_records=fetch_records or config.batch_size,
-        stream_buffer_maxsize=2 * config.batch_size,
         store="memory://",
         datadir=datadir,
         loghandlers=[],
-        Monitor=BatchMonitor,
         **web_settings,
     )
 

@@ -5,7 +5,7 @@ Faust hands a topic's messages to an agent one by one: a ``Message`` and an
 control, a queue, and an ack per record. On this machine that was over half of a
 worker's CPU per record. A bulk topic skips it: the Faust consumer (its group
 membership, rebalancing, flow control and offset commits stay Faust's) fetches as
-usual, and the fetcher hands each fetch, partition by partition, to one handler.
+usual, and the fetcher hands each fetch (its records by partition) to one handler.
 
 The commit rule is the worker's: a fetch's offsets are committed only after the
 handler returned, i.e. after Redis (with fsync on every write) holds the batch.
@@ -69,8 +69,8 @@ class BulkConsumer(faust_aiokafka.Consumer):
                 records, active = await self._wait_next_records(
                     FETCH_TIMEOUT if not handling else 0
                 )
-                if not records or self.should_stop:
-                    if handling and not records:
+                if not records:
+                    if handling:  # nothing prefetched: let the oldest fetch finish first
                         await asyncio.wait([handling[0][0]])
                     continue
                 if not self.flow_active:
