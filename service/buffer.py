@@ -53,6 +53,9 @@ _ACL_COMMANDS = (
     "-@all +@read +@write +@transaction -@dangerous +evalsha +eval +script|load "
     "+script|exists +ping +hello"
 )
+# A cluster client reads the slot map (CLUSTER SLOTS) from any node and the command
+# table (COMMAND) to find the keys of each command.
+_ACL_CLUSTER_COMMANDS = " +cluster|slots +command"
 ROLES = ("worker", "consumer")
 # Keys of a partition the consumer may read: counters and gauges, suppression and delay
 # histograms, the truth and published tallies of the adversary test, personal group
@@ -65,17 +68,23 @@ def acl_rules(config: StreamConfig, role: str) -> str:
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
     stream = config.name
+    commands = _ACL_COMMANDS + (_ACL_CLUSTER_COMMANDS if config.redis_cluster else "")
     if role == "worker":
-        return f"reset on resetchannels ~splu:{{{stream}:* ~splu:{{{stream}}}:* {_ACL_COMMANDS}"
+        return f"reset on resetchannels ~splu:{{{stream}:* ~splu:{{{stream}}}:* {commands}"
     reads = " ".join(f"%R~splu:{{{stream}:*}}:{key}" for key in CONSUMER_READS)
     # Its own counts, the pause flag it raises, and the server's memory use (INFO); no
     # SCAN, whose key names would show which groups and holes a partition has.
-    own = f"~splu:{{{stream}:consumer}}:* ~splu:{{{stream}}}:paused"
-    return f"reset on resetchannels {reads} {own} {_ACL_COMMANDS} +info -scan"
+    # "consumer*": its shards, and the place of an earlier version's counts, to refuse them.
+    own = f"~splu:{{{stream}:consumer* ~splu:{{{stream}}}:paused"
+    return f"reset on resetchannels {reads} {own} {commands} +info -scan"
 
 
 def connect(config: StreamConfig) -> aioredis.Redis:
-    """A client for the stream's Redis with its ACL user, password and TLS settings."""
+    """A client for the stream's Redis with its ACL user, password and TLS settings: a
+    cluster client (`[redis] cluster`, REDIS_CLUSTER) routes each command and script by its
+    keys, all in one slot per call (the hash tags above)."""
+    if config.redis_cluster:
+        return aioredis.RedisCluster.from_url(config.redis_url, **config.redis_options())  # type: ignore[return-value]
     return aioredis.from_url(config.redis_url, **config.redis_options())
 
 
@@ -282,7 +291,10 @@ class BufferState:
         return out
 
     async def memory(self) -> int:
-        """Bytes the Redis server uses (all streams share it)."""
+        """Bytes the Redis server uses (all streams share it); in a cluster, its masters."""
+        if isinstance(self.client, aioredis.RedisCluster):
+            nodes = await self.client.info("memory", target_nodes=aioredis.RedisCluster.PRIMARIES)
+            return sum(int(info["used_memory"]) for info in nodes.values())
         return int((await self.client.info("memory"))["used_memory"])
 
 

@@ -31,6 +31,7 @@
 
     [redis]
     url = "redis://redis:6379/0" # REDIS_URL overrides; rediss:// for TLS
+    cluster = false              # a Redis Cluster, url naming any node; REDIS_CLUSTER overrides
     password_env = "REDIS_PASSWORD"
     username = "splu-worker"     # an ACL user (service.buffer.acl_rules); REDIS_USERNAME overrides
     ca_file = "ca.crt"           # TLS: the CA that signed the server's certificate, and
@@ -201,6 +202,7 @@ class StreamConfig:
     redis_password_env: str | None
     redis_username: str | None
     redis_tls: Mapping[str, Path]
+    redis_cluster: bool
     schema: Schema
     decoy: DecoySettings | None
     personal: PersonalSettings | None
@@ -304,6 +306,12 @@ class _Reader:
             raise self.fail(key, f"must be at most {maximum:,}, got {shown}")
         return value
 
+    def flag(self, key: str, default: bool = False) -> bool:
+        value = self.get(key, default)
+        if not isinstance(value, bool):
+            raise self.fail(key, f"must be true or false, got {value!r}")
+        return value
+
     def text(self, key: str, default: str | None = None, choices: tuple[str, ...] = ()) -> str:
         value = self.get(key, default)
         if value is None:
@@ -329,6 +337,21 @@ def _table(source: str, document: Mapping[str, Any], name: str, required: bool) 
     if not isinstance(table, Mapping):
         raise ConfigError(f"{source}: {name} must be a table")
     return _Reader(source, table, name)
+
+
+REDIS_CLUSTER_ENV = "REDIS_CLUSTER"
+_FLAG_TEXTS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """A true/false environment variable (1/0, true/false, yes/no), or `default` if unset."""
+    text = os.environ.get(name)
+    if text is None or text == "":
+        return default
+    try:
+        return _FLAG_TEXTS[text.strip().lower()]
+    except KeyError:
+        raise ConfigError(f"{name} must be 1 or 0 (true or false), got {text!r}") from None
 
 
 def load_config(path: str | Path) -> StreamConfig:
@@ -400,6 +423,7 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
     )
     password_env = username = None
     tls: dict[str, Path] = {}
+    cluster = redis.flag("cluster") if redis else False
     if redis:
         if redis.get("password_env") is not None:
             password_env = redis.text("password_env")
@@ -410,6 +434,7 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
                 tls[argument] = base / redis.text(option)
         redis.finish()
     redis_url = os.environ.get("REDIS_URL", redis_url)
+    cluster = env_flag(REDIS_CLUSTER_ENV, cluster)
     if tls and not redis_url.startswith("rediss://"):
         raise ConfigError(
             f"{source}: redis.{next(iter(TLS_FILES))} and the other TLS files need a "
@@ -462,6 +487,7 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
         redis_password_env=password_env,
         redis_username=os.environ.get("REDIS_USERNAME", username),
         redis_tls=tls,
+        redis_cluster=cluster,
         schema=schema,
         decoy=decoy,
         personal=personal,

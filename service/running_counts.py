@@ -99,32 +99,74 @@ class CountedBatch:
     duplicates: int
 
 
+class LegacyCountsError(RuntimeError):
+    """Counts kept by a consumer from before the counts were sharded by published partition."""
+
+
 class RunningCounts:
-    """The consumer's published-cell counts and the tokens already counted."""
+    """The consumer's published-cell counts and the tokens already counted, one shard per
+    partition of ``<stream>.published`` (``splu:{<stream>:consumer:<partition>}``, a hash
+    slot each), so consumers in one group split the counting and a Redis Cluster spreads
+    it. A token always lands in the same partition (`streams.app.partition_of`), so each
+    shard's dedup sees every copy of its records. Reads merge all shards."""
 
     def __init__(self, client: aioredis.Redis, config: StreamConfig) -> None:
         self.client = client
-        self.prefix = f"splu:{{{config.name}:consumer}}"
+        self.partitions = config.partitions
+        self.name = config.name
         self.codec = CellCodec(config.schema)
         self._count = client.register_script(lua_script("fingerprints", "count"))
 
-    async def add(self, tokens: Sequence[bytes], cells: Sequence[bytes]) -> CountedBatch:
-        """Count each (token, cell) whose token was never counted before."""
+    def prefix(self, partition: int) -> str:
+        return f"splu:{{{self.name}:consumer:{partition}}}"
+
+    async def add(
+        self, partition: int, tokens: Sequence[bytes], cells: Sequence[bytes]
+    ) -> CountedBatch:
+        """Count each (token, cell) of one published partition whose token was never
+        counted before."""
         args = [
             item
             for token, cell in zip(tokens, cells, strict=True)
             for item in (hashlib.blake2b(token, digest_size=8).digest(), cell)
         ]
-        keys = [f"{self.prefix}:{name}" for name in ("seen", "cells", "stats")]
+        keys = [f"{self.prefix(partition)}:{name}" for name in ("seen", "cells", "stats")]
         new, duplicates = await self._count(keys=keys, args=args)
         return CountedBatch(int(new), int(duplicates))
 
     async def tally(self) -> dict[bytes, int]:
-        return {k: int(v) for k, v in (await self.client.hgetall(f"{self.prefix}:cells")).items()}
+        """Every cell's count, summed over the shards."""
+        out: dict[bytes, int] = {}
+        for partition in range(self.partitions):
+            for cell, count in (
+                await self.client.hgetall(f"{self.prefix(partition)}:cells")
+            ).items():
+                out[cell] = out.get(cell, 0) + int(count)
+        return out
 
     async def stats(self) -> dict[str, int]:
-        counters = await self.client.hgetall(f"{self.prefix}:stats")
-        return {k.decode(): int(v) for k, v in counters.items()}
+        """records and duplicates, summed over the shards."""
+        out: dict[str, int] = {}
+        for partition in range(self.partitions):
+            for name, value in (
+                await self.client.hgetall(f"{self.prefix(partition)}:stats")
+            ).items():
+                out[name.decode()] = out.get(name.decode(), 0) + int(value)
+        return out
+
+    async def check_layout(self) -> None:
+        """Raise LegacyCountsError if an earlier version's unsharded counts exist: a consumer
+        resuming from their committed offsets would count only what comes next."""
+        legacy = f"splu:{{{self.name}:consumer}}"
+        if await self.client.exists(f"{legacy}:stats"):
+            raise LegacyCountsError(
+                f"Redis holds counts of stream {self.name!r} from an earlier version "
+                f"({legacy}:*), kept in one place instead of per published partition. "
+                f"Count again from the topic: delete those keys and reset the consumer group "
+                f"splu-{self.name}-consumer to the earliest offsets (kafka-consumer-groups.sh "
+                f"--group splu-{self.name}-consumer --reset-offsets --to-earliest --all-topics "
+                "--execute), then start the consumer"
+            )
 
 
 def stream_reconstruction(config: StreamConfig, cells: PublishedCells) -> Reconstruction:

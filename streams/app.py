@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import zlib
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -41,6 +42,7 @@ from aiokafka.errors import KafkaError
 from aiokafka.producer.message_accumulator import BatchBuilder
 from aiokafka.structs import ConsumerRecord
 from faust.types import TP
+from faust.web import Request, Response, View
 from mode import Service
 from redis.exceptions import RedisError
 
@@ -109,19 +111,22 @@ class Publisher(Service):
         messages: Iterable[tuple[bytes | None, bytes]],
         timestamp_ms: int | None = None,
     ) -> int:
-        """Send messages round-robin over the topic's partitions, in batches; await every ack.
+        """Send messages in batches and await every ack: a keyed message to the partition of
+        its key (`partition_of`), an unkeyed one round-robin.
 
-        Messages come from a uniformly drawn and shuffled take of the mixing pool, so
-        their partition and offset say nothing about their group. `timestamp_ms`, if
-        given, stamps every message alike: one time per take, never one per record.
+        Published records are keyed by their token, drawn fresh from the OS per take, so
+        their partition says nothing about their group, and a record re-sent after a crash
+        lands where it landed before: a consumer's dedup per partition sees both copies.
+        `timestamp_ms`, if given, stamps every message alike: one time per take, never one
+        per record.
         """
         assert self.producer is not None, "the publisher starts with the app"
-        partitions = sorted(await self.producer.partitions_for(topic))
+        count = len(await self.producer.partitions_for(topic))
         batches: dict[int, BatchBuilder] = {}
         futures = []
         sent = 0
         for sent, (key, value) in enumerate(messages, start=1):
-            partition = partitions[sent % len(partitions)]
+            partition = sent % count if key is None else partition_of(key, count)
             batch = batches.get(partition)
             if batch is None or batch.append(key=key, value=value, timestamp=timestamp_ms) is None:
                 if batch is not None:
@@ -134,6 +139,11 @@ class Publisher(Service):
             futures.append(await self.producer.send_batch(batch, topic, partition=partition))
         await asyncio.gather(*futures)
         return sent
+
+
+def partition_of(key: bytes, partitions: int) -> int:
+    """The partition of a keyed message: CRC-32 of the key modulo the partition count."""
+    return zlib.crc32(key) % partitions
 
 
 def faust_app(
@@ -179,6 +189,53 @@ def faust_app(
         loghandlers=[],
         **web_settings,
     )
+
+
+READINESS_TIMEOUT = 2.0  # seconds Redis and Kafka each get to answer /readyz
+
+
+async def readiness(
+    app: faust.App, topic: faust.TopicT, client: Any, publisher: Publisher
+) -> list[str]:
+    """What keeps this process from doing its work now; empty when ready: Redis answers,
+    a Kafka broker answers, and some partitions of `topic` are assigned to it."""
+    problems = []
+    try:
+        await asyncio.wait_for(client.ping(), READINESS_TIMEOUT)
+    except Exception as err:  # any failure means not ready; the name says which
+        problems.append(f"Redis does not answer ({type(err).__name__})")
+    try:
+        assert publisher.producer is not None, "the producer has not started"
+        await asyncio.wait_for(publisher.producer.client.fetch_all_metadata(), READINESS_TIMEOUT)
+    except Exception as err:
+        problems.append(f"no Kafka broker answers ({type(err).__name__})")
+    if not assigned_partitions(app, topic):
+        problems.append(
+            f"no partition of {topic.get_topic_name()} is assigned: the group is joining, or "
+            "more processes than partitions share it"
+        )
+    return problems
+
+
+def add_health_pages(
+    app: faust.App, topic: faust.TopicT, client: Any, publisher: Publisher
+) -> None:
+    """/healthz: the process is alive and its event loop turns; it checks no dependency, so
+    a Redis or Kafka outage does not become a restart storm. /readyz: 200 when `readiness`
+    finds nothing wrong, else 503 with the problems."""
+
+    @app.page("/healthz")
+    class Alive(View):
+        async def get(self, request: Request) -> Response:
+            return self.json({"alive": True})
+
+    @app.page("/readyz")
+    class Ready(View):
+        async def get(self, request: Request) -> Response:
+            problems = await readiness(app, topic, client, publisher)
+            return self.json(
+                {"ready": not problems, "problems": problems}, status=503 if problems else 200
+            )
 
 
 def assigned_partitions(app: faust.App, raw: faust.TopicT) -> set[int]:
@@ -330,9 +387,11 @@ def add_ingest(
     consume_in_bulk(app, raw, ingest)
 
 
-def create_app(config: StreamConfig, key: ServiceKey, datadir: Path) -> faust.App:
-    """The worker app for one stream."""
-    app = faust_app(config, f"splu-{config.name}", datadir)
+def create_app(
+    config: StreamConfig, key: ServiceKey, datadir: Path, web: tuple[str, int] | None = None
+) -> faust.App:
+    """The worker app for one stream; with `web` (host, port) it serves /healthz and /readyz."""
+    app = faust_app(config, f"splu-{config.name}", datadir, web=web)
     raw = app.topic(
         config.topics["raw"], partitions=config.partitions, value_serializer="raw",
         key_serializer="raw",
@@ -350,6 +409,7 @@ def create_app(config: StreamConfig, key: ServiceKey, datadir: Path) -> faust.Ap
         emitter.assigned({tp.partition for tp in assigned if tp.topic == raw.get_topic_name()})
 
     add_ingest(app, raw, config, preparer, buffer, publisher)
+    add_health_pages(app, raw, client, publisher)
 
     @app.timer(interval=EMIT_INTERVAL)
     async def emit() -> None:

@@ -31,7 +31,7 @@ def command_demo(args: argparse.Namespace) -> int:
 def command_worker(args: argparse.Namespace) -> int:
     from streams.worker import run_worker
 
-    run_worker(load_config(args.config), loglevel=args.loglevel)
+    run_worker(load_config(args.config), loglevel=args.loglevel, host=args.host, port=args.port)
     return 0
 
 
@@ -83,7 +83,11 @@ def command_run(args: argparse.Namespace) -> int:
 def command_up(args: argparse.Namespace) -> int:
     from streams.up import run_up
 
-    return run_up(args.data_dir)
+    if args.redis_cluster is not None and args.redis_cluster < 1:
+        raise CommandError(
+            f"--redis-cluster takes a number of masters >= 1, got {args.redis_cluster}"
+        )
+    return run_up(args.data_dir, args.redis_cluster or 0)
 
 
 def _add_run_options(parser: argparse.ArgumentParser) -> None:
@@ -161,10 +165,17 @@ def register(commands: Commands) -> None:
             "  export KAFKA_BOOTSTRAP=127.0.0.1:PORT\n"
             "  export REDIS_URL=redis://127.0.0.1:PORT/0\n"
             "Ctrl-C stops both. The broker keeps messages in memory only; with --data-dir\n"
-            "Redis keeps its append-only file there across restarts."
+            "Redis keeps its append-only file there across restarts.\n\n"
+            "With --redis-cluster N it starts a Redis Cluster of N masters on loopback\n"
+            "ports instead of one server, and prints a third line, export REDIS_CLUSTER=1,\n"
+            "so the stream's processes use a cluster client (docs/scaling.md)."
         ),
     )  # fmt: skip
     up.add_argument("--data-dir", type=Path, help="keep Redis's data here (default: nothing kept)")
+    up.add_argument(
+        "--redis-cluster", type=int, metavar="N",
+        help="run a Redis Cluster of N masters instead of one server",
+    )  # fmt: skip
     up.set_defaults(run=command_up)
 
     worker = commands.add_parser(
@@ -179,6 +190,14 @@ def register(commands: Commands) -> None:
         ),
     )  # fmt: skip
     worker.add_argument("--config", required=True, help="the stream's TOML file")
+    worker.add_argument(
+        "--host", default="127.0.0.1", help="address of the health pages (default 127.0.0.1)"
+    )
+    worker.add_argument(
+        "--port", type=int,
+        help="serve /healthz (alive) and /readyz (Redis and Kafka answer, partitions assigned) "
+        "on this port (default: no pages)",
+    )  # fmt: skip
     _add_loglevel(worker)
     worker.set_defaults(run=command_worker)
 
@@ -194,6 +213,10 @@ def register(commands: Commands) -> None:
             "  /metrics   Prometheus text format\n"
             "  /estimate  GET ?where=col:val,col:val&value=sacol:val, or POST a JSON\n"
             "             array of query objects (as `splu query --url` does)\n"
+            "  /healthz   200 while the process runs (checks nothing else)\n"
+            "  /readyz    200 once Redis and Kafka answer and partitions are assigned\n"
+            "Several consumers of a stream split the counting by published partition and all\n"
+            "answer for the whole stream; the one holding partition 0 publishes the reports.\n"
             "The config's [reports] table sets the tests' thresholds, the standing queries\n"
             "and which failed tests pause publishing (fail_closed). It needs no service key."
         ),

@@ -27,7 +27,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -52,7 +52,14 @@ from service.privacy_tests import (
 )
 from service.reconstruct import Estimate, Query, QueryError, Reconstruction
 from service.running_counts import PublishedRecordError, RunningCounts, stream_reconstruction
-from streams.app import TRANSIENT, Publisher, faust_app, retrying
+from streams.app import (
+    TRANSIENT,
+    Publisher,
+    add_health_pages,
+    assigned_partitions,
+    faust_app,
+    retrying,
+)
 from streams.bulk import consume_in_bulk
 
 log = logging.getLogger("splu.consumer")
@@ -76,8 +83,17 @@ def query_name(query: Query) -> str:
 class Consumer:
     """State behind the consumer's counting, timers and pages."""
 
-    def __init__(self, config: StreamConfig, client: aioredis.Redis, publisher: Publisher) -> None:
+    def __init__(
+        self,
+        config: StreamConfig,
+        client: aioredis.Redis,
+        publisher: Publisher,
+        leads: Callable[[], bool] = lambda: True,
+    ) -> None:
+        """`leads()` tells whether this consumer is the one of its group that publishes the
+        reports and raises or clears the pause flag; every consumer runs the tests."""
         self.config = config
+        self.leads = leads
         self.counts = RunningCounts(client, config)
         self.buffer = BufferState(client, config)
         self.publisher = publisher
@@ -95,18 +111,24 @@ class Consumer:
         ]
 
     async def count(self, fetched: Mapping[TP, list[ConsumerRecord]]) -> None:
-        tokens, cells = [], []
-        for message in (m for records in fetched.values() for m in records):
-            try:
-                if not message.key:
-                    raise PublishedRecordError("a published record without a token")
-                cells.append(self.counts.codec.key_of(message.value))
-                tokens.append(message.key)
-            except PublishedRecordError as err:
-                self.invalid += 1
-                log.error("published %d/%d: %s", message.partition, message.offset, err)
-        if tokens:
-            await retrying("counting a batch", self.counts.add, tokens, cells)
+        """Count a fetch into the shards of its partitions, one Lua call each, together."""
+        steps = []
+        for tp, records in fetched.items():
+            tokens, cells = [], []
+            for message in records:
+                try:
+                    if not message.key:
+                        raise PublishedRecordError("a published record without a token")
+                    cells.append(self.counts.codec.key_of(message.value))
+                    tokens.append(message.key)
+                except PublishedRecordError as err:
+                    self.invalid += 1
+                    log.error("published %d/%d: %s", message.partition, message.offset, err)
+            if tokens:
+                steps.append(
+                    retrying("counting a batch", self.counts.add, tp.partition, tokens, cells)
+                )
+        await asyncio.gather(*steps)
 
     async def refresh(self) -> None:
         """Rebuild the reconstruction if records were counted since the last build."""
@@ -184,7 +206,8 @@ class Consumer:
         return results
 
     async def report(self) -> None:
-        """One round of privacy tests and standing queries, published and acted on."""
+        """One round of privacy tests and standing queries; published and acted on by the
+        leading consumer only, so N consumers send one report and agree on the pause."""
         await self.refresh()
         true, shown = await self.buffer.truth()
         suppressed = (await self.buffer.totals()).get("suppressed", 0)
@@ -193,6 +216,8 @@ class Consumer:
         standing = self.answer_standing()
         now = time.time()
         self.tests, self.tested_at, self.standing = results, now, standing
+        if not self.leads():
+            return
         messages = [
             {"kind": "test", "stream": self.config.name, "time": now, **r.to_json()}
             for r in results
@@ -335,10 +360,14 @@ def create_consumer_app(config: StreamConfig, datadir: Path, host: str, port: in
     publisher = Publisher(config.kafka_bootstrap, loop=app.loop)
     app.add_dependency(publisher)
     client = connect(config)
-    consumer = Consumer(config, client, publisher)
+    # The holder of the published topic's partition 0 leads: one per group at a time.
+    consumer = Consumer(
+        config, client, publisher, leads=lambda: 0 in assigned_partitions(app, published)
+    )
     page = resources.files("streams").joinpath("static", "index.html").read_text()
 
     consume_in_bulk(app, published, consumer.count)
+    add_health_pages(app, published, client, publisher)
 
     async def guarded(what: str, step) -> None:  # type: ignore[no-untyped-def]
         try:

@@ -17,12 +17,13 @@ import time
 from pathlib import Path
 
 from deploy.embedded import KAFKA_BOOTSTRAP_ENV, REDIS_URL_ENV, EmbeddedServers
+from service.config import REDIS_CLUSTER_ENV
 
 
-def run_up(data_dir: Path | None = None) -> int:
-    """Serve until Ctrl-C or SIGTERM."""
+def run_up(data_dir: Path | None = None, redis_cluster: int = 0) -> int:
+    """Serve until Ctrl-C or SIGTERM; with `redis_cluster` masters, a Redis Cluster."""
     # `up` starts its own servers even where the variables name others.
-    for name in (KAFKA_BOOTSTRAP_ENV, REDIS_URL_ENV):
+    for name in (KAFKA_BOOTSTRAP_ENV, REDIS_URL_ENV, REDIS_CLUSTER_ENV):
         os.environ.pop(name, None)
 
     def stop(signum: int, frame: object) -> None:
@@ -30,13 +31,20 @@ def run_up(data_dir: Path | None = None) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     try:
-        with EmbeddedServers(data_dir) as servers:
-            print(f"export {KAFKA_BOOTSTRAP_ENV}={servers.kafka_bootstrap}")
-            print(f"export {REDIS_URL_ENV}={servers.redis_url}", flush=True)
+        with EmbeddedServers(data_dir, redis_cluster=redis_cluster) as servers:
+            lines = [
+                f"export {KAFKA_BOOTSTRAP_ENV}={servers.kafka_bootstrap}",
+                f"export {REDIS_URL_ENV}={servers.redis_url}",
+            ]
+            if redis_cluster:
+                lines.append(f"export {REDIS_CLUSTER_ENV}=1")
+            print("\n".join(lines), flush=True)
             kept = f"Redis keeps its data in {data_dir / 'redis'}" if data_dir else "no data kept"
+            what = f"a Redis Cluster of {redis_cluster} masters" if redis_cluster else "Redis"
             print(
-                "splu up: the embedded broker and Redis are running; paste the two lines above "
-                f"into the terminals of the stream commands. {kept}. Ctrl-C stops both.",
+                f"splu up: the embedded broker and {what} are running; paste the "
+                f"{len(lines)} lines above into the terminals of the stream commands. {kept}. "
+                "Ctrl-C stops everything.",
                 file=sys.stderr,
                 flush=True,
             )

@@ -37,6 +37,7 @@ from streams.app import (
     TRANSIENT,
     PauseWatch,
     Publisher,
+    add_health_pages,
     add_ingest,
     assigned_partitions,
     faust_app,
@@ -48,11 +49,13 @@ log = logging.getLogger("splu.windowed")
 EMIT_INTERVAL = 0.2  # seconds between looks for closed windows while none is waiting
 
 
-def create_windowed_app(config: StreamConfig, key: ServiceKey, datadir: Path) -> faust.App:
-    """The worker app for one windowed stream."""
+def create_windowed_app(
+    config: StreamConfig, key: ServiceKey, datadir: Path, web: tuple[str, int] | None = None
+) -> faust.App:
+    """The worker app for one windowed stream; `web` as for `streams.app.create_app`."""
     assert config.windowed is not None, "a windowed stream has a [windowed] table"
     settings = config.windowed
-    app = faust_app(config, f"splu-{config.name}", datadir)
+    app = faust_app(config, f"splu-{config.name}", datadir, web=web)
     raw = app.topic(
         config.topics["raw"], partitions=config.partitions, value_serializer="raw",
         key_serializer="raw",
@@ -60,13 +63,15 @@ def create_windowed_app(config: StreamConfig, key: ServiceKey, datadir: Path) ->
     publisher = Publisher(config.kafka_bootstrap, loop=app.loop)
     app.add_dependency(publisher)
     preparer = WindowPreparer(config, key)
-    buffer = WindowBuffer(connect(config), config)
+    client = connect(config)
+    buffer = WindowBuffer(client, config)
     pause = PauseWatch(buffer)
 
     def assigned() -> set[int]:
         return assigned_partitions(app, raw)
 
     add_ingest(app, raw, config, preparer, buffer, publisher)
+    add_health_pages(app, raw, client, publisher)
 
     async def publish_window(partition: int, number: int) -> None:
         """Publish (or suppress) closed window `number`: stage, send, finish."""

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import faust
 
-from service.buffer import RedisRefusedError, RedisUnavailableError, check_redis
+from service.buffer import RedisRefusedError, RedisUnavailableError, check_redis, connect
 from service.config import StreamConfig
+from service.running_counts import RunningCounts
 from streams.app import create_app
 from streams.consumer import create_consumer_app
 from streams.topics import BrokerUnreachableError, create_topics, run_in_thread
@@ -37,20 +38,35 @@ def ensure_ready(config: StreamConfig) -> None:
             time.sleep(0.5)
 
 
-def run_worker(config: StreamConfig, loglevel: str = "warning") -> None:
-    """Run one worker until it is stopped (SIGTERM or Ctrl-C); it owns some partitions."""
+async def refuse_legacy_counts(config: StreamConfig) -> None:
+    client = connect(config)
+    try:
+        await RunningCounts(client, config).check_layout()
+    finally:
+        await client.aclose()
+
+
+def run_worker(
+    config: StreamConfig,
+    loglevel: str = "warning",
+    host: str = "127.0.0.1",
+    port: int | None = None,
+) -> None:
+    """Run one worker until it is stopped (SIGTERM or Ctrl-C); it owns some partitions.
+    With a port it serves /healthz and /readyz there."""
     key = config.service_key()
     ensure_ready(config)
     # Faust wants a data directory even with in-memory tables; nothing in it outlives us.
     with tempfile.TemporaryDirectory(prefix=f"splu-{config.name}-") as datadir:
         build = create_windowed_app if config.mechanism == "windowed" else create_app
-        app = build(config, key, Path(datadir))
+        app = build(config, key, Path(datadir), web=None if port is None else (host, port))
         faust.Worker(app, loglevel=loglevel, quiet=True).execute_from_commandline()
 
 
 def run_consumer(config: StreamConfig, host: str, port: int, loglevel: str = "warning") -> None:
     """Run the stream's consumer and its web pages until it is stopped."""
     ensure_ready(config)
+    run_in_thread(refuse_legacy_counts(config))
     with tempfile.TemporaryDirectory(prefix=f"splu-{config.name}-consumer-") as datadir:
         app = create_consumer_app(config, Path(datadir), host, port)
         faust.Worker(app, loglevel=loglevel, quiet=True).execute_from_commandline()

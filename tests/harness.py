@@ -41,15 +41,18 @@ class Harness:
         redis_url: str | None = None,
         row_column: bool = True,
         reports: dict | None = None,
+        partitions: int = 2,
     ) -> None:
         document = tomllib.loads((EXAMPLES / example).read_text())
         name = f"it{uuid.uuid4().hex[:8]}"
         document["stream"].update(
-            name=name, partitions=2, max_wait=3.0, flush_interval=1.0, report_interval=2.0
-        )
+            name=name, partitions=partitions, max_wait=3.0, flush_interval=1.0,
+            report_interval=2.0,
+        )  # fmt: skip
         document["stream"]["mixing_pool"] = 500
         document["kafka"]["bootstrap"] = servers.kafka_bootstrap
         document["redis"]["url"] = redis_url or servers.redis_url
+        document["redis"]["cluster"] = servers.redis_cluster
         document.setdefault("reports", {}).update(reports or {})
         merge = None
         if "personal" in document:
@@ -67,8 +70,10 @@ class Harness:
         self.path = directory / f"{name}.toml"
         self.path.write_text(tomli_w.dumps(document))
         self.env = {**os.environ, "SPLU_SERVICE_KEY": secrets.token_hex(32)}
-        self.env.pop("KAFKA_BOOTSTRAP", None)
-        self.env.pop("REDIS_URL", None)
+        # The config names the servers; stream_env may have exported others here.
+        for variable in ("KAFKA_BOOTSTRAP", "REDIS_URL", "REDIS_CLUSTER"):
+            self.env.pop(variable, None)
+        os.environ.pop("REDIS_CLUSTER", None)
         os.environ["SPLU_SERVICE_KEY"] = self.env["SPLU_SERVICE_KEY"]
         self.config: StreamConfig = load_config(self.path)
         self.log = directory / f"{name}.log"

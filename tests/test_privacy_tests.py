@@ -26,6 +26,7 @@ from service.privacy_tests import adversary, budget, eligibility, guarantees
 from service.reconstruct import PublishedCells
 from service.running_counts import (
     CellCodec,
+    LegacyCountsError,
     PublishedRecordError,
     RunningCounts,
     stream_reconstruction,
@@ -172,13 +173,15 @@ def test_consumer_counts_each_token_once_at_any_age_in_bounded_memory(servers):
         counts = RunningCounts(client, config)
         tokens = [secrets.token_hex(16).encode() for _ in range(5)]
         cells = [b"0,0,0,0,0|1", b"0,0,0,0,0|1", b"1,0,0,0,0|2", b"1,0,0,0,0|2", b"2,0,0,0,0|3"]
-        first = await counts.add(tokens, cells)
-        again = await counts.add([*tokens[:3], secrets.token_hex(16).encode()], cells[:4])
+        first = await counts.add(1, tokens, cells)
+        again = await counts.add(1, [*tokens[:3], secrets.token_hex(16).encode()], cells[:4])
         many = [secrets.token_hex(16).encode() for _ in range(3000)]
-        await counts.add(many, [b"2,0,0,0,0|3"] * 3000)
-        late = await counts.add(tokens[:1], cells[:1])
-        seen = await client.hgetall(f"{counts.prefix}:seen")
-        ttl = await client.pttl(f"{counts.prefix}:seen")
+        await counts.add(1, many, [b"2,0,0,0,0|3"] * 3000)
+        late = await counts.add(1, tokens[:1], cells[:1])
+        # Another partition's shard: counted apart, read back merged.
+        await counts.add(3, [secrets.token_hex(16).encode()], [b"2,0,0,0,0|3"])
+        seen = await client.hgetall(f"{counts.prefix(1)}:seen")
+        ttl = await client.pttl(f"{counts.prefix(1)}:seen")
         tally, stats = await counts.tally(), await counts.stats()
         await client.aclose()
         return first, again, late, seen, ttl, tally, stats
@@ -187,8 +190,29 @@ def test_consumer_counts_each_token_once_at_any_age_in_bounded_memory(servers):
     assert (first.new, first.duplicates) == (5, 0) and (again.new, again.duplicates) == (1, 3)
     assert (late.new, late.duplicates) == (0, 1) and ttl == -1
     assert sum(len(entries) for entries in seen.values()) == 6 * 3006
-    assert tally == {b"0,0,0,0,0|1": 2, b"1,0,0,0,0|2": 3, b"2,0,0,0,0|3": 3001}
-    assert stats["records"] == 3006 and stats["duplicates"] == 4
+    assert tally == {b"0,0,0,0,0|1": 2, b"1,0,0,0,0|2": 3, b"2,0,0,0,0|3": 3002}
+    assert stats["records"] == 3007 and stats["duplicates"] == 4
+
+
+@pytest.mark.redis
+def test_consumer_refuses_counts_kept_in_one_place_by_an_earlier_version(servers):
+    """Counts of an earlier version, unsharded, with the consumer group's offsets past them:
+    starting over them would show only what comes next, so the consumer refuses and says
+    how to count again."""
+    config = example("adult-decoy.toml")
+
+    async def scenario() -> None:
+        client = aioredis.from_url(servers.redis_url)
+        counts = RunningCounts(client, config)
+        try:
+            await counts.check_layout()
+            await client.hset(f"splu:{{{config.name}:consumer}}:stats", "records", 7)
+            with pytest.raises(LegacyCountsError, match="--reset-offsets --to-earliest"):
+                await counts.check_layout()
+        finally:
+            await client.aclose()
+
+    asyncio.run(scenario())
 
 
 def test_grafana_dashboard_uses_only_metrics_the_consumer_exports():
