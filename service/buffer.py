@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass
 from importlib import resources
+from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
@@ -54,8 +56,9 @@ _ACL_COMMANDS = (
     "+script|exists +ping +hello"
 )
 # A cluster client reads the slot map (CLUSTER SLOTS) from any node and the command
-# table (COMMAND) to find the keys of each command.
+# table (COMMAND) to find the keys of each command; replica_acks needs WAIT.
 _ACL_CLUSTER_COMMANDS = " +cluster|slots +command"
+_ACL_REPLICA_COMMANDS = " +wait"
 ROLES = ("worker", "consumer")
 # Keys of a partition the consumer may read: counters and gauges, suppression and delay
 # histograms, the truth and published tallies of the adversary test, personal group
@@ -69,6 +72,7 @@ def acl_rules(config: StreamConfig, role: str) -> str:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
     stream = config.name
     commands = _ACL_COMMANDS + (_ACL_CLUSTER_COMMANDS if config.redis_cluster else "")
+    commands += _ACL_REPLICA_COMMANDS if config.redis_replica_acks else ""
     if role == "worker":
         return f"reset on resetchannels ~splu:{{{stream}:* ~splu:{{{stream}}}:* {commands}"
     reads = " ".join(f"%R~splu:{{{stream}:*}}:{key}" for key in CONSUMER_READS)
@@ -86,6 +90,81 @@ def connect(config: StreamConfig) -> aioredis.Redis:
     if config.redis_cluster:
         return aioredis.RedisCluster.from_url(config.redis_url, **config.redis_options())  # type: ignore[return-value]
     return aioredis.from_url(config.redis_url, **config.redis_options())
+
+
+def node_url(url: str, host: str, port: int) -> str:
+    """`url` (its scheme, credentials and database) pointed at another node's host:port."""
+    parts = urlsplit(url)
+    user = parts.netloc.rpartition("@")[0]
+    return urlunsplit(parts._replace(netloc=f"{user}@" * bool(user) + f"{host}:{port}"))
+
+
+class ReplicationError(redis_errors.RedisError):
+    """A master's replicas did not confirm its writes in time, or the master changed."""
+
+
+# Milliseconds a master's replicas get to confirm; past them the step is retried.
+REPLICA_TIMEOUT_MS = 5000
+
+
+class Replication:
+    """Confirms that a master's replicas hold every write it acknowledged (`[redis]
+    replica_acks`), before the stream relies on them: before a raw offset is committed,
+    a record published, or a published offset committed.
+
+    Redis replicates asynchronously, so a failover can lose a master's last writes. WAIT
+    blocks until replicas reached the replication offset of the calling connection's last
+    write, and that offset grows with every write the master took, from any connection:
+    one write of our own (in the slot of `key`, so a master that lost the slot answers
+    MOVED) and a WAIT on one connection cover every write made before it.
+    """
+
+    def __init__(self, client: aioredis.Redis, config: StreamConfig) -> None:
+        self.client = client
+        self.config = config
+        self.replicas = config.redis_replica_acks
+        self._links: dict[str, aioredis.Redis] = {}
+
+    def _link(self, key: str) -> aioredis.Redis:
+        """A client of the master of `key`'s slot alone (a cluster client would route the
+        keyless WAIT to any node)."""
+        if not isinstance(self.client, aioredis.RedisCluster):
+            name, url = "", self.config.redis_url
+        else:
+            node = self.client.get_node_from_key(key)
+            name, url = node.name, node_url(self.config.redis_url, node.host, node.port)
+        link = self._links.get(name)
+        if link is None:
+            link = self._links[name] = aioredis.from_url(url, **self.config.redis_options())
+        return link
+
+    async def confirm(self, key: str) -> None:
+        """Return once `replicas` replicas hold every write the master of `key` took so
+        far; raise ReplicationError (retried as an outage) if they do not in time."""
+        if not self.replicas:
+            return
+        try:
+            # A pipeline: the write and the WAIT on one connection, in order.
+            async with self._link(key).pipeline(transaction=False) as pipe:
+                pipe.incr(f"{key}:replicated")
+                pipe.wait(self.replicas, REPLICA_TIMEOUT_MS)
+                _, acknowledged = await pipe.execute()
+        except redis_errors.RedisError as err:
+            if isinstance(self.client, aioredis.RedisCluster):
+                # The master died or lost the slot: learn where the slot is now.
+                with suppress(redis_errors.RedisError, redis_errors.RedisClusterException):
+                    await self.client.nodes_manager.initialize()
+            raise ReplicationError(f"confirming replication of {key}: {err}") from err
+        if acknowledged < self.replicas:
+            raise ReplicationError(
+                f"{acknowledged} of {self.replicas} replicas confirmed the writes to {key} "
+                f"within {REPLICA_TIMEOUT_MS} ms"
+            )
+
+    async def aclose(self) -> None:
+        for link in self._links.values():
+            await link.aclose()
+        self._links.clear()
 
 
 class RedisUnavailableError(ConnectionError):
@@ -176,6 +255,7 @@ class BufferState:
     def __init__(self, client: aioredis.Redis, config: StreamConfig) -> None:
         self.client = client
         self.config = config
+        self.replication = Replication(client, config)
 
     def prefix(self, partition: int) -> str:
         return f"splu:{{{self.config.name}:{partition}}}"
@@ -352,6 +432,8 @@ class StreamBuffer(BufferState):
                 )
             ]
         result = await self._ingest(keys=[self.prefix(partition)], args=args)
+        if batch is not None:
+            await self.replication.confirm(self.prefix(partition))
         statuses = [0] * records
         for position in range(2, len(result), 2):
             statuses[int(result[position]) - 1] = int(result[position + 1])
@@ -384,6 +466,8 @@ class StreamBuffer(BufferState):
             self._entropy(SHUFFLE_SEED_BYTES),
         ]  # fmt: skip
         blob = await self._take(keys=[self.prefix(partition)], args=args)
+        if blob:
+            await self.replication.confirm(self.prefix(partition))
         return [
             (token.decode(), entry)
             for token, _, entry in (line.partition(b" ") for line in blob.split(b"\n") if line)
@@ -393,6 +477,8 @@ class StreamBuffer(BufferState):
         """Emissions not yet acknowledged, to re-send with their tokens, in an order drawn
         from the OS (a hash's order is not random)."""
         entries = list((await self.client.hgetall(f"{self.prefix(partition)}:inflight")).items())
+        if entries:
+            await self.replication.confirm(self.prefix(partition))
         secrets.SystemRandom().shuffle(entries)
         return [(token.decode(), entry) for token, entry in entries]
 

@@ -32,6 +32,7 @@
     [redis]
     url = "redis://redis:6379/0" # REDIS_URL overrides; rediss:// for TLS
     cluster = false              # a Redis Cluster, url naming any node; REDIS_CLUSTER overrides
+    replica_acks = 0             # replicas holding a write before it is relied on (Redis WAIT)
     password_env = "REDIS_PASSWORD"
     username = "splu-worker"     # an ACL user (service.buffer.acl_rules); REDIS_USERNAME overrides
     ca_file = "ca.crt"           # TLS: the CA that signed the server's certificate, and
@@ -203,6 +204,7 @@ class StreamConfig:
     redis_username: str | None
     redis_tls: Mapping[str, Path]
     redis_cluster: bool
+    redis_replica_acks: int
     schema: Schema
     decoy: DecoySettings | None
     personal: PersonalSettings | None
@@ -424,6 +426,7 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
     password_env = username = None
     tls: dict[str, Path] = {}
     cluster = redis.flag("cluster") if redis else False
+    replica_acks = redis.integer("replica_acks", 0, minimum=0, maximum=16) if redis else 0
     if redis:
         if redis.get("password_env") is not None:
             password_env = redis.text("password_env")
@@ -488,6 +491,7 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
         redis_username=os.environ.get("REDIS_USERNAME", username),
         redis_tls=tls,
         redis_cluster=cluster,
+        redis_replica_acks=replica_acks,
         schema=schema,
         decoy=decoy,
         personal=personal,

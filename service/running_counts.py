@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import redis.asyncio as aioredis
 
-from service.buffer import lua_script
+from service.buffer import Replication, lua_script
 from service.config import StreamConfig
 from service.reconstruct import (
     DecoyReconstruction,
@@ -115,6 +115,7 @@ class RunningCounts:
         self.partitions = config.partitions
         self.name = config.name
         self.codec = CellCodec(config.schema)
+        self.replication = Replication(client, config)
         self._count = client.register_script(lua_script("fingerprints", "count"))
 
     def prefix(self, partition: int) -> str:
@@ -132,6 +133,7 @@ class RunningCounts:
         ]
         keys = [f"{self.prefix(partition)}:{name}" for name in ("seen", "cells", "stats")]
         new, duplicates = await self._count(keys=keys, args=args)
+        await self.replication.confirm(self.prefix(partition))
         return CountedBatch(int(new), int(duplicates))
 
     async def tally(self) -> dict[bytes, int]:

@@ -316,6 +316,8 @@ class WindowBuffer(WindowState):
                 )
             ]  # fmt: skip
         result = await self._script(keys=[self.prefix(partition)], args=args)
+        if batch is not None:
+            await self.replication.confirm(self.prefix(partition))
         statuses = [0] * records
         for position in range(2, len(result), 2):
             statuses[int(result[position]) - 1] = int(result[position + 1])
@@ -328,7 +330,10 @@ class WindowBuffer(WindowState):
 
     async def staged(self, partition: int, number: int) -> Staged | None:
         blob = await self.client.get(f"{self.prefix(partition)}:wout:{number}")
-        return None if blob is None else decode_staged(blob)
+        if blob is None:
+            return None
+        await self.replication.confirm(self.prefix(partition))
+        return decode_staged(blob)
 
     async def records(self, partition: int, number: int) -> dict[bytes, bytes]:
         return await self.client.hgetall(f"{self.prefix(partition)}:w:{number}")
@@ -339,6 +344,7 @@ class WindowBuffer(WindowState):
         kept = await self._script(keys=[self.prefix(partition)], args=["stage", number, blob])
         if kept is None:
             return None
+        await self.replication.confirm(self.prefix(partition))
         return decode_staged(blob if kept == 1 else kept)
 
     async def finish(

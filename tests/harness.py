@@ -42,6 +42,7 @@ class Harness:
         row_column: bool = True,
         reports: dict | None = None,
         partitions: int = 2,
+        redis_settings: dict | None = None,
     ) -> None:
         document = tomllib.loads((EXAMPLES / example).read_text())
         name = f"it{uuid.uuid4().hex[:8]}"
@@ -53,6 +54,7 @@ class Harness:
         document["kafka"]["bootstrap"] = servers.kafka_bootstrap
         document["redis"]["url"] = redis_url or servers.redis_url
         document["redis"]["cluster"] = servers.redis_cluster
+        document["redis"].update(redis_settings or {})
         document.setdefault("reports", {}).update(reports or {})
         merge = None
         if "personal" in document:

@@ -1,0 +1,283 @@
+"""Scale-out on Kafka partitions and a real Redis Cluster (issue 14; docs/scaling.md).
+
+A 3-master Redis Cluster started here (`deploy.embedded.RedisCluster`, from the same server
+binary as every Redis test, so CI runs this again on Debian's redis-server), 6 partitions,
+3 worker processes and 2 consumer processes, all as their least-privilege ACL users (set
+on every node). 20,000 Adult records stream in; mid-stream one worker and one consumer are
+SIGKILLed and started again. Then:
+
+- exact accounting: every record ingested is published, suppressed (decoy records past
+  max_wait) or still held below a partition's mixing floor, nothing pending or in flight;
+- each published record under exactly one token: the topic's distinct tokens equal the
+  workers' published count (a record taken twice would count twice, and the accounting
+  above would not add up), whatever copies a crash re-sent;
+- the consumers' counts, summed over their shards, equal the topic's distinct tokens;
+- both consumers answer /estimate alike, and as `splu query` does on the published rows;
+- /healthz and /readyz answer 200 on all five processes.
+
+A second test kills the master of a partition's slot on a cluster with replicas and fails
+over to its replica (CLUSTER FAILOVER FORCE), mid-stream: the worker rides through and
+nothing is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+from harness import RECORDS, Harness, adult_rows
+from test_consumer import BATCH_OPTIONS, random_queries, wait_for, write_published_csv
+
+from deploy.embedded import (
+    EmbeddedServers,
+    free_port,
+    service_user_envs,
+    spawn_consumer,
+    spawn_worker,
+)
+from service import client
+from service.cli import main
+from service.running_counts import RunningCounts
+from streams.produce import produce
+from streams.topics import create_topics
+
+pytestmark = pytest.mark.redis
+
+PARTITIONS = 6
+WORKERS = 3
+CONSUMERS = 2
+RATE = 2_000  # records/s: the stream lasts ~10 s, time to kill processes mid-way
+KILL_AT = 6_000  # records ingested when a worker and a consumer are SIGKILLed
+
+
+@pytest.fixture(scope="module")
+def cluster_servers(tmp_path_factory):
+    with EmbeddedServers(tmp_path_factory.mktemp("cluster"), redis_cluster=3) as endpoints:
+        assert endpoints.redis_cluster
+        yield endpoints
+
+
+def admin(harness: Harness) -> aioredis.RedisCluster:
+    return aioredis.RedisCluster.from_url(harness.config.redis_url)
+
+
+async def totals(harness: Harness) -> dict[str, int]:
+    redis = admin(harness)
+    try:
+        return await harness.totals(redis)
+    finally:
+        await redis.aclose()
+
+
+async def counted(harness: Harness) -> dict[str, int]:
+    redis = admin(harness)
+    try:
+        return await RunningCounts(redis, harness.config).stats()
+    finally:
+        await redis.aclose()
+
+
+def page(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+class Fleet:
+    """The stream's worker and consumer processes, each with its health pages."""
+
+    def __init__(self, harness: Harness, tmp_path: Path, workers: int, consumers: int) -> None:
+        self.harness = harness
+        self.envs = service_user_envs(harness.config, harness.env)
+        self.logs = tmp_path
+        self.worker_ports = [free_port() for _ in range(workers)]
+        self.consumer_ports = [free_port() for _ in range(consumers)]
+        self.workers = [self.start_worker(i) for i in range(workers)]
+        self.consumers = [self.start_consumer(i) for i in range(consumers)]
+
+    def start_worker(self, i: int):  # type: ignore[no-untyped-def]
+        log = self.logs / f"worker-{i}.log"
+        return spawn_worker(self.harness.path, self.envs["worker"], log, port=self.worker_ports[i])
+
+    def start_consumer(self, i: int):  # type: ignore[no-untyped-def]
+        log = self.logs / f"consumer-{i}.log"
+        return spawn_consumer(self.harness.path, self.consumer_ports[i], self.envs["consumer"], log)
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{port}" for port in self.consumer_ports]
+
+    @property
+    def pages(self) -> list[str]:
+        ports = self.worker_ports + self.consumer_ports
+        return [f"http://127.0.0.1:{port}" for port in ports]
+
+    def stop(self) -> None:
+        for process in self.consumers + self.workers:
+            process.stop()
+
+
+def produce_in_background(harness: Harness, rate: float = RATE) -> threading.Thread:
+    rows = adult_rows(harness.config)
+    thread = threading.Thread(
+        target=lambda: asyncio.run(produce(harness.config, iter(rows), rate=rate, progress=False))
+    )
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("mechanism", ["decoy", "personal"])
+def test_three_workers_and_two_consumers_on_a_redis_cluster_through_kills(
+    cluster_servers, tmp_path, mechanism
+):
+    harness = Harness(
+        cluster_servers, tmp_path, f"adult-{mechanism}.toml", row_column=False,
+        reports={"fail_closed": []}, partitions=PARTITIONS,
+    )  # fmt: skip
+    config = harness.config
+    asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
+    fleet = Fleet(harness, tmp_path, WORKERS, CONSUMERS)
+    try:
+        producer = produce_in_background(harness)
+        ingested = wait_for(
+            lambda: (n := asyncio.run(totals(harness)).get("ingested", 0)) >= KILL_AT and n,
+            "records to arrive",
+        )
+        fleet.workers[0].kill()
+        fleet.consumers[0].kill()
+        assert ingested < RECORDS, "the kills must come mid-stream"
+        time.sleep(1.0)
+        fleet.workers[0] = fleet.start_worker(0)
+        fleet.consumers[0] = fleet.start_consumer(0)
+        producer.join()
+
+        final = wait_for(
+            lambda: (
+                (t := asyncio.run(totals(harness)))["settled"] == RECORDS
+                and t["pending"] == t["in_flight"] == 0
+                and t
+            ),
+            "every record published, suppressed or held below the floor",
+        )
+        assert final["ingested"] == RECORDS and final.get("rejected", 0) == 0
+        resolved = final["published"] + final.get("suppressed", 0)
+        assert final["ingested"] == resolved + final["below_floor"]
+        assert final["below_floor"] < PARTITIONS * config.mixing_pool
+
+        messages = asyncio.run(harness.read_all(config.topics["published"]))
+        distinct = {m.key: m.value for m in messages}
+        assert len(distinct) == final["published"]
+        wait_for(
+            lambda: asyncio.run(counted(harness)).get("records") == len(distinct),
+            "the consumers to count every distinct token",
+        )
+
+        for url in fleet.pages:
+            assert page(f"{url}/healthz") == 200, url
+            wait_for(lambda u=url: page(f"{u}/readyz") == 200, f"{url}/readyz")
+
+        # Both consumers answer for every shard, alike, and as `splu query` does.
+        statuses = [
+            wait_for(
+                lambda u=url: (s := client.status(u))["consumer"]["records"] == len(distinct) and s,
+                f"{url} to include every count",
+            )
+            for url in fleet.urls
+        ]
+        assert all(s["worker"]["ingested"] == RECORDS for s in statuses)
+        write_published_csv(
+            tmp_path / "published.csv", config, [json.loads(v) for v in distinct.values()]
+        )
+        queries = random_queries(config, 40, seed=14)
+        (tmp_path / "q.jsonl").write_text("".join(json.dumps(q) + "\n" for q in queries))
+        options = list(BATCH_OPTIONS[mechanism])
+        if mechanism == "personal":
+            options += ["--merge-map", str(harness.merge_map)]
+        assert main([
+            "query", "--published", str(tmp_path / "published.csv"), *options,
+            "--queries", str(tmp_path / "q.jsonl"), "--output", str(tmp_path / "batch.jsonl"),
+        ]) == 0  # fmt: skip
+        batch = [json.loads(line) for line in (tmp_path / "batch.jsonl").read_text().splitlines()]
+        answers = [client.ask(url, queries) for url in fleet.urls]
+        assert answers[0] == answers[1]
+        for query, expected, answer in zip(queries, batch, answers[0], strict=True):
+            for field in ("estimate", "low", "high"):
+                assert answer.get(field) == expected.get(field), (query, expected, answer)
+    finally:
+        fleet.stop()
+
+
+@pytest.fixture(scope="module")
+def replicated_cluster(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("replicated")
+    with EmbeddedServers(directory, redis_cluster=3, cluster_replicas=1) as endpoints:
+        yield endpoints
+
+
+def test_a_worker_and_a_consumer_ride_through_a_master_failover(replicated_cluster, tmp_path):
+    """Kill the master of partition 0's slot mid-stream, promote its replica with CLUSTER
+    FAILOVER FORCE, start the old master again (it follows the new one): no process exits,
+    and every record is accounted for and counted. The stream confirms each write with one
+    replica (`replica_acks = 1`, Redis WAIT) before it commits an offset or publishes, so
+    the replica holds whatever was relied on."""
+    harness = Harness(
+        replicated_cluster, tmp_path, "adult-decoy.toml", row_column=False,
+        reports={"fail_closed": []}, redis_settings={"replica_acks": 1},
+    )  # fmt: skip
+    config = harness.config
+    cluster = replicated_cluster.redis
+    asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
+    fleet = Fleet(harness, tmp_path, workers=1, consumers=1)
+    try:
+        # Slower: the failover must come well before the stream's end.
+        producer = produce_in_background(harness, rate=RATE / 2)
+        wait_for(
+            lambda: asyncio.run(totals(harness)).get("ingested", 0) >= KILL_AT,
+            "records to arrive",
+        )
+        slot_key = f"splu:{{{config.name}:0}}"
+        master = cluster.master_of(slot_key)
+        replica = cluster.replica_of(master)
+        assert replica is not None
+        master.kill()
+        replica.client().cluster("failover", "force")
+        wait_for(lambda: cluster.master_of(slot_key) is replica, "the replica to take over", 30)
+        assert producer.is_alive(), "the failover came after the stream's end"
+        # The new master has no replica to confirm writes until the old one is back: the
+        # stream waits (nothing relies on a write only one node holds), then goes on.
+        master.start()
+        wait_for(lambda: cluster.replica_of(replica) is master, "the old master to follow", 30)
+        cluster.wait_until_ok()
+        producer.join()
+
+        final = wait_for(
+            lambda: (
+                (t := asyncio.run(totals(harness)))["settled"] == RECORDS
+                and t["pending"] == t["in_flight"] == 0
+                and t
+            ),
+            "every record published, suppressed or held below the floor",
+        )
+        assert final["ingested"] == RECORDS
+        resolved = final["published"] + final.get("suppressed", 0)
+        assert final["ingested"] == resolved + final["below_floor"]
+        messages = asyncio.run(harness.read_all(config.topics["published"]))
+        distinct = {m.key for m in messages}
+        assert len(distinct) == final["published"]
+        wait_for(
+            lambda: asyncio.run(counted(harness)).get("records") == len(distinct),
+            "the consumer to count every distinct token",
+        )
+        for process in fleet.workers + fleet.consumers:
+            assert process.running, f"exited with {process.returncode}"
+    finally:
+        fleet.stop()
