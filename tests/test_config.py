@@ -66,3 +66,28 @@ def test_defaults_are_safe():
         config = load(example, {}, {})
         assert config.buffer_cap >= 2 * config.mixing_pool
         assert config.reports.truth_retention >= 2 * config.report_interval
+
+
+def test_redis_cluster_and_replica_acks_from_the_file_and_the_environment(monkeypatch):
+    """`[redis] cluster` and `replica_acks` load; REDIS_CLUSTER overrides the first, and a
+    word that is no yes or no is refused naming the variable."""
+    document = tomllib.loads((EXAMPLES / "adult-decoy.toml").read_text())
+    monkeypatch.delenv("REDIS_CLUSTER", raising=False)
+    assert not parse_config(document, "a.toml", EXAMPLES).redis_cluster
+    document["redis"].update(cluster=True, replica_acks=1)
+    config = parse_config(document, "a.toml", EXAMPLES)
+    assert config.redis_cluster and config.redis_replica_acks == 1
+    monkeypatch.setenv("REDIS_CLUSTER", "0")
+    assert not parse_config(document, "a.toml", EXAMPLES).redis_cluster
+    monkeypatch.setenv("REDIS_CLUSTER", "maybe")
+    with pytest.raises(ConfigError, match="REDIS_CLUSTER must be 1 or 0"):
+        parse_config(document, "a.toml", EXAMPLES)
+    monkeypatch.delenv("REDIS_CLUSTER")
+    for key, value, message in [
+        ("cluster", "yes", "redis.cluster must be true or false"),
+        ("replica_acks", -1, "redis.replica_acks must be at least 0"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            parse_config(
+                {**document, "redis": {**document["redis"], key: value}}, "a.toml", EXAMPLES
+            )

@@ -25,6 +25,7 @@ from harness import RECORDS, TIMEOUT, Harness, adult_rows
 
 from service import client
 from service.cli import main
+from streams.app import partition_of
 from streams.produce import produce
 from streams.topics import create_topics
 
@@ -90,13 +91,16 @@ def write_published_csv(path: Path, config, records: list[dict]) -> None:
 
 
 async def resend(config, messages: dict) -> None:
-    """Publish copies of already published records under their tokens, as a worker
-    re-sending its in-flight records after a crash does."""
+    """Publish copies of already published records under their tokens, to their token's
+    partition, as a worker re-sending its in-flight records after a crash does."""
     producer = AIOKafkaProducer(bootstrap_servers=config.kafka_bootstrap, enable_idempotence=False)
     await producer.start()
     try:
         for token, value in messages.items():
-            await producer.send_and_wait(config.topics["published"], value, key=token)
+            partition = partition_of(token, config.partitions)
+            await producer.send_and_wait(
+                config.topics["published"], value, key=token, partition=partition
+            )
     finally:
         await producer.stop()
 

@@ -18,7 +18,7 @@ generator instead of the OS, so each run is reproducible (the seeds' use is the 
 H0, the ideal floor pool: fed with the same records entering the pool at the same times,
 each round releases the excess over the floor (a whole pool of at least the floor when
 nothing entered for flush_interval), drawn uniformly and in uniformly random order, sent
-as `Publisher.send_all` lays a take out (round robin over the published partitions, one
+as `Publisher.send_all` lays a take out (each record to its token's partition, one
 timestamp per take). Under H0, which group sits where in Kafka carries exactly the
 information a uniform draw from the floor allows.
 
@@ -241,15 +241,19 @@ def ideal_takes(run: Run, floor: int, flush_ms: int) -> list[tuple[int, int, int
 
 
 def ideal_layout(run: Run, takes: list[tuple[int, int, int]]) -> np.ndarray:
-    """Where the ideal pool's records land: Publisher.send_all's round robin, offsets in
-    sending order, one timestamp per take."""
+    """Where the ideal pool's records land as Publisher.send_all lays them out: each to its
+    token's partition, offsets in sending order, one timestamp per take. Tokens are fresh
+    randomness, independent of groups, so the ideal pool's k-th record goes to the
+    partition the worker's k-th record went to."""
     offsets = [0] * SOURCES
     layout = []
+    sent = 0
     for now, source, size in takes:
-        for j in range(1, size + 1):
-            partition = j % SOURCES
+        for _ in range(size):
+            partition = int(run.layout[sent, 1])
             layout.append((source, partition, offsets[partition], now))
             offsets[partition] += 1
+            sent += 1
     return np.array(layout, dtype=np.int64)
 
 

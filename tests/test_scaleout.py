@@ -10,7 +10,8 @@ SIGKILLed and started again. Then:
   max_wait) or still held below a partition's mixing floor, nothing pending or in flight;
 - each published record under exactly one token: the topic's distinct tokens equal the
   workers' published count (a record taken twice would count twice, and the accounting
-  above would not add up), whatever copies a crash re-sent;
+  above would not add up), whatever copies a crash re-sent, and every message sits in
+  its token's partition;
 - the consumers' counts, summed over their shards, equal the topic's distinct tokens;
 - both consumers answer /estimate alike, and as `splu query` does on the published rows;
 - /healthz and /readyz answer 200 on all five processes.
@@ -45,6 +46,7 @@ from deploy.embedded import (
 from service import client
 from service.cli import main
 from service.running_counts import RunningCounts
+from streams.app import partition_of
 from streams.produce import produce
 from streams.topics import create_topics
 
@@ -176,6 +178,8 @@ def test_three_workers_and_two_consumers_on_a_redis_cluster_through_kills(
         messages = asyncio.run(harness.read_all(config.topics["published"]))
         distinct = {m.key: m.value for m in messages}
         assert len(distinct) == final["published"]
+        # Copies a killed worker re-sent sit in the partition of their token, with the first.
+        assert all(m.partition == partition_of(m.key, PARTITIONS) for m in messages)
         wait_for(
             lambda: asyncio.run(counted(harness)).get("records") == len(distinct),
             "the consumers to count every distinct token",

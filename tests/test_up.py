@@ -1,6 +1,7 @@
 """The README's stream section, as written, against `splu up` on a fresh machine.
 
-`splu up` runs in the foreground and prints two export lines; the worker, the
+`splu up` runs in the foreground and prints two export lines (three with
+`--redis-cluster 3`, which runs a Redis Cluster); the worker, the
 consumer and the producer run as the README shows them, with those variables and the
 example config; `/estimate` answers. Then Ctrl-C stops `splu up`, and nothing it
 started is left running (this process is a subreaper, so an orphan would show up as
@@ -35,13 +36,13 @@ RECORDS = 5000  # the head of the bundled sample: enough for every partition's f
 TIMEOUT = 120.0
 
 
-def exports(process: subprocess.Popen) -> dict[str, str]:
-    """The `export NAME=value` lines `splu up` prints, read with a timeout."""
+def exports(process: subprocess.Popen, count: int) -> dict[str, str]:
+    """The `count` `export NAME=value` lines `splu up` prints, read with a timeout."""
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in process.stdout], daemon=True).start()
     found: dict[str, str] = {}
     deadline = time.monotonic() + 60
-    while len(found) < 2 and time.monotonic() < deadline:
+    while len(found) < count and time.monotonic() < deadline:
         try:
             line = lines.get(timeout=1)
         except queue.Empty:
@@ -52,21 +53,30 @@ def exports(process: subprocess.Popen) -> dict[str, str]:
     return found
 
 
-def test_up_then_the_readme_stream_section_then_ctrl_c_leaves_nothing(tmp_path):
+@pytest.mark.parametrize("cluster", [False, True], ids=["redis", "redis-cluster"])
+def test_up_then_the_readme_stream_section_then_ctrl_c_leaves_nothing(tmp_path, cluster):
+    """Also with `splu up --redis-cluster 3`: a third line, REDIS_CLUSTER=1, and the same
+    commands work on the cluster; the worker serves its health pages."""
     libc = ctypes.CDLL(None, use_errno=True)
     assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1) == 0
     before = children()
     base = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "REDIS_", "SPLU_"))}
+    options = ["--redis-cluster", "3"] if cluster else []
     up = subprocess.Popen(
-        [*SPLU, "up", "--data-dir", str(tmp_path / "data")], env=base, cwd=tmp_path,
+        [*SPLU, "up", "--data-dir", str(tmp_path / "data"), *options], env=base, cwd=tmp_path,
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     started: list[subprocess.Popen] = []
     try:
-        env = {**base, **exports(up), "SPLU_SERVICE_KEY": secrets.token_hex(32)}
+        env = {
+            **base,
+            **exports(up, 3 if cluster else 2),
+            "SPLU_SERVICE_KEY": secrets.token_hex(32),
+        }
         assert {"KAFKA_BOOTSTRAP", "REDIS_URL"} <= set(env), env
-        port = free_port()
-        for command in (["worker", "--config", CONFIG],
+        assert env.get("REDIS_CLUSTER") == ("1" if cluster else None), env
+        port, worker_port = free_port(), free_port()
+        for command in (["worker", "--config", CONFIG, "--port", str(worker_port)],
                         ["consumer", "--config", CONFIG, "--port", str(port)]):  # fmt: skip
             quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
             started.append(subprocess.Popen([*SPLU, *command], env=env, cwd=tmp_path, **quiet))
@@ -100,6 +110,9 @@ def test_up_then_the_readme_stream_section_then_ctrl_c_leaves_nothing(tmp_path):
         with urllib.request.urlopen(url, timeout=10) as response:
             answer = json.loads(response.read())
         assert answer["published"] > 0 and answer["low"] <= answer["estimate"] <= answer["high"]
+        for page in (f"{worker_port}/healthz", f"{worker_port}/readyz", f"{port}/readyz"):
+            with urllib.request.urlopen(f"http://127.0.0.1:{page}", timeout=10) as response:
+                assert response.status == 200, page
     finally:
         for process in started:
             process.send_signal(signal.SIGINT)
