@@ -600,6 +600,13 @@ class RedisCluster:
                 node.start()
             self._form()
             self.wait_until_ok(deadline - time.monotonic())
+            masters = self.nodes[: self.masters]
+            if len(self.nodes) > self.masters:
+                self._until(
+                    lambda: all(self.replica_of(m) is not None for m in masters),
+                    "every replica to finish its first sync",
+                    deadline - time.monotonic(),
+                )
         except BaseException:
             self.stop()
             raise
@@ -671,14 +678,29 @@ class RedisCluster:
         return next(node for node in self.nodes if node.port == port)
 
     def replica_of(self, master: RedisServer) -> RedisServer | None:
-        """A running replica of `master`, as the cluster's map says; None if it has none."""
-        client = next(node for node in self.nodes if node.running).client()
+        """A running replica of `master` whose replication link is up; None if it has none."""
+        client = master.client()
         try:
-            ranges = client.execute_command("CLUSTER", "SLOTS")
+            master_id = client.cluster("myid")
         finally:
             client.close()
-        ports = {r[j][1] for r in ranges if r[2][1] == master.port for j in range(3, len(r))}
-        return next((node for node in self.nodes if node.port in ports and node.running), None)
+        master_id = master_id.decode() if isinstance(master_id, bytes) else master_id
+        for node in self.nodes:
+            if node is master or not node.running:
+                continue
+            probe = node.client()
+            try:
+                info = probe.info("replication")
+                nodes = probe.execute_command("CLUSTER", "NODES")
+            except (redis.RedisError, OSError):
+                continue
+            finally:
+                probe.close()
+            text = nodes.decode() if isinstance(nodes, bytes) else nodes
+            mine = next(line.split() for line in text.splitlines() if "myself" in line)
+            if mine[3] == master_id and info.get("master_link_status") == "up":
+                return node
+        return None
 
     def describe(self) -> str:
         return ", ".join(f"{HOST}:{node.port}" for node in self.nodes)

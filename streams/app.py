@@ -44,7 +44,7 @@ from aiokafka.structs import ConsumerRecord
 from faust.types import TP
 from faust.web import Request, Response, View
 from mode import Service
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from service.buffer import BufferState, StreamBuffer, connect
 from service.config import StreamConfig
@@ -57,8 +57,10 @@ log = logging.getLogger("splu.worker")
 
 EMIT_INTERVAL = 0.5  # seconds between emission rounds
 RETRY_CEILING = 5.0  # seconds between retries while Redis or Kafka is away
-# Failures of Redis or Kafka that end by themselves; anything else is a bug.
-TRANSIENT = (RedisError, KafkaError, OSError, asyncio.TimeoutError)
+# Failures of Redis or Kafka that end by themselves; anything else is a bug. A cluster
+# client that reaches no node of its map while a master fails over raises
+# RedisClusterException, which is no RedisError.
+TRANSIENT = (RedisError, RedisClusterException, KafkaError, OSError, asyncio.TimeoutError)
 EMIT_CHUNK = 20_000  # records per take from one pool: a backlog leaves in few Redis calls
 TICK_INTERVAL = 1.0  # seconds between time-driven steps
 
