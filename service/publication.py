@@ -76,6 +76,9 @@ SHOWN = 10
 # Files a batch-only publication writes beside OUT.csv (OUT = its name without .csv).
 PARAMS_SUFFIX = "params.json"  # public parameters, domains and checksums: every batch-only one
 ST_SUFFIX = "st.csv"  # the sensitive table ST of anatomy and fprivacy
+# The merge map a personal publication grouped with, when `splu publish` fitted it on its
+# input: `splu query` needs the same groups, or its intervals cover 50-85% (issue 15).
+MERGE_SUFFIX = "merge.toml"
 # The public column each mechanism adds to OUT.csv: SDR's sub-table, Anatomy's QI-group
 # and F′-privacy's bucket id (the BID of the QIT).
 EXTRA_COLUMN = {"sdr": SUBTABLE_COLUMN, "anatomy": "group", "fprivacy": "bucket"}
@@ -214,6 +217,23 @@ def only_sensitive(table: Table, command: str) -> str:
     return table.schema.sensitive[0].name
 
 
+def personal_merge_map(settings: dict[str, Any], published: str) -> None:
+    """Fill in the merge map of a personal publication read back from `published`: the
+    one named, else the one `splu publish` wrote beside it; without either the groups are
+    unknown, and estimates and intervals would be those of other groups: refuse."""
+    if settings["merge_map"]:
+        return
+    fitted = beside(published, MERGE_SUFFIX)
+    if published == "-" or not Path(fitted).exists():
+        raise PublicationError(
+            "--mechanism personal needs the merge map the publication grouped with: give "
+            f"--merge-map FILE (`splu publish` writes OUT.{MERGE_SUFFIX} beside OUT.csv when "
+            "it fitted one on its input); with other groups the intervals do not cover"
+        )
+    log(f"  merge map: {fitted}, written by splu publish beside {published}")
+    settings["merge_map"] = fitted
+
+
 def value_map_for(path: str | None, table: Table, sensitive: str) -> ValueMap:
     """The merge map at `path`, or without one a map fitted on the table itself."""
     if path:
@@ -281,6 +301,7 @@ def publish_personal(
             "limit allows fewer trials than it has values"
         )
     return release.published, {
+        "value_map": value_map,
         "retention": settings["retention"],
         "lambda": settings["lam"],
         "delta": settings["delta"],
@@ -495,7 +516,7 @@ BATCH_PUBLISHERS: dict[str, Callable[..., Batch]] = {
 }
 
 
-def _beside(path: str, suffix: str) -> str:
+def beside(path: str, suffix: str) -> str:
     """OUT.csv → OUT.<suffix> in the same directory (OUT.csv.gz too; other names keep theirs)."""
     target = Path(path)
     name = target.name
@@ -552,7 +573,7 @@ def write_batch(
     digests = {"published": _digest(text)}
     if batch.st_header is not None and batch.st_columns is not None:
         st_text = _csv_text(batch.st_header, batch.st_columns)
-        files.append((_beside(output, ST_SUFFIX), st_text))
+        files.append((beside(output, ST_SUFFIX), st_text))
         digests["st"] = _digest(st_text)
     sensitive = [a.name for a in table.schema.sensitive]
     params = {
@@ -568,7 +589,7 @@ def write_batch(
         "sha256": digests,
     }
     document = json.dumps(params, indent=2, ensure_ascii=False) + "\n"
-    files.append((_beside(output, PARAMS_SUFFIX), document))
+    files.append((beside(output, PARAMS_SUFFIX), document))
     _write_files(files)
     return [path for path, _ in files]
 
@@ -703,7 +724,7 @@ def load_batch(
             f"--published -: --mechanism {mechanism} reads OUT.{PARAMS_SUFFIX} beside OUT.csv, "
             "so give the file name"
         )
-    params_path = _beside(published, PARAMS_SUFFIX)
+    params_path = beside(published, PARAMS_SUFFIX)
     if not Path(params_path).exists():
         raise PublicationError(
             f"cannot read {params_path}: `splu publish --mechanism {mechanism}` writes it beside "
@@ -739,7 +760,7 @@ def load_batch(
         domains = {name: frozenset(params["domain"][name]) for name in sensitive}
         raw = _rows(text, published)
         if mechanism in ("anatomy", "fprivacy"):
-            st_path = _beside(published, ST_SUFFIX)
+            st_path = beside(published, ST_SUFFIX)
             st_text = _read_text(st_path)
             if _digest(st_text) != params["sha256"]["st"]:
                 raise PublicationError(

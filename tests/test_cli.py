@@ -284,6 +284,36 @@ def test_personal_workflow_merge_publish_query(adult_csv, tmp_path, capsys):
     assert answer["low"] < 9539 < answer["high"]
 
 
+def test_a_fitted_merge_map_goes_beside_the_publication_and_query_needs_it(
+    adult_csv, tmp_path, capsys
+):
+    """Without --merge-map, publish fits one and writes it as OUT.merge.toml; query reads
+    it back (the answer equals one given the map by name) and refuses without it: other
+    groups would give intervals that do not cover (tests/test_coverage.py)."""
+    published, queries = tmp_path / "p.csv", tmp_path / "q.jsonl"
+    options = ["--mechanism", "personal", "--retention", "0.5", "--lambda", "0.3", "--delta", "0.3"]
+    assert main(["publish", "--input", str(adult_csv), "--output", str(published), *PERSONAL,
+                 *options, "--seed", "1"]) == 0  # fmt: skip
+    fitted = tmp_path / "p.merge.toml"
+    assert fitted.exists() and str(fitted) in capsys.readouterr().err
+    queries.write_text('{"where": {"sex": "Male"}, "value": {"income": ">50K"}}\n')
+    answers = []
+    for extra in ([], ["--merge-map", str(fitted)]):
+        output = tmp_path / f"a{len(extra)}.jsonl"
+        command = ["query", "--published", str(published), "--sensitive", "income", *options]
+        assert main([*command, *extra, "--queries", str(queries), "--output", str(output)]) == 0
+        answers.append(json.loads(output.read_text()))
+    assert answers[0] == answers[1] and answers[0]["low"] < 9539 < answers[0]["high"]
+    fitted.unlink()
+    capsys.readouterr()
+    query = ["query", "--published", str(published), "--sensitive", "income", *options]
+    assert main([*query, "--queries", str(queries), "--output", str(tmp_path / "x.jsonl")]) == 1
+    assert "needs the merge map the publication grouped with" in capsys.readouterr().err
+    assert main(["publish", "--input", str(adult_csv), "--output", "-", *PERSONAL,
+                 *options]) == 1  # fmt: skip
+    assert "give a file name or --merge-map" in capsys.readouterr().err
+
+
 def test_options_of_the_other_mechanism_are_refused(adult_csv, tmp_path, capsys):
     code = main(["publish", "--input", str(adult_csv), "--output", str(tmp_path / "o.csv"),
                  *PERSONAL, "--gamma", "5", "--mechanism", "personal"])  # fmt: skip

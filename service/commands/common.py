@@ -215,9 +215,9 @@ def add_mechanism_options(parser: argparse.ArgumentParser, reconstruction: bool)
     personal.add_argument(
         "--merge-map",
         metavar="FILE",
-        help="personal: merged public values from `splu merge`; publish "
-        "fits one on its input without it, query needs it for exact m "
-        "and intervals",
+        help="personal: merged public values from `splu merge`; without it publish "
+        "fits one on its input and writes it beside OUT.csv as OUT.merge.toml, "
+        "which query then reads (the groups must be the publication's)",
     )
     sdr = parser.add_argument_group(
         "small domain randomization (sdr)",

@@ -21,7 +21,9 @@ from service.commands.common import (
 from service.publication import (
     BATCH_ONLY,
     BATCH_PUBLISHERS,
+    MERGE_SUFFIX,
     PARAMS_SUFFIX,
+    beside,
     check_reserved,
     log,
     publish_decoy,
@@ -46,6 +48,13 @@ def command_publish(args: argparse.Namespace) -> int:
             f"--output -: --mechanism {args.mechanism} writes OUT.{PARAMS_SUFFIX} beside "
             "OUT.csv (see --help), so give a file name"
         )
+    fits_map = args.mechanism == "personal" and not settings["merge_map"]
+    if fits_map and args.output == "-":
+        raise CommandError(
+            f"--output -: without --merge-map, --mechanism personal writes the merge map it "
+            f"fits on the input beside OUT.csv (OUT.{MERGE_SUFFIX}), so give a file name or "
+            "--merge-map"
+        )
     table, rejections = read_input_table(args)
     rows_read = len(table) + len(rejections)
     log(f"splu publish: read {rows_read:,} rows from {args.input}")
@@ -57,12 +66,19 @@ def command_publish(args: argparse.Namespace) -> int:
         batch = BATCH_PUBLISHERS[args.mechanism](settings, table, ids, key)
         files = write_batch(args.output, args.mechanism, settings, table, batch)
         rows, details = len(batch.columns[0]), {**batch.details, "files": files}
-        beside = f" (and {', '.join(files[1:])})"
+        shown = f" (and {', '.join(files[1:])})"
     else:
         publish = publish_decoy if args.mechanism == "decoy" else publish_personal
         published, details = publish(settings, table, ids, key)
+        value_map = details.pop("value_map", None)
+        shown = ""
+        if fits_map:
+            # `splu query` reads it back: the reconstruction needs the groups that were used.
+            fitted = beside(args.output, MERGE_SUFFIX)
+            write_atomically(fitted, lambda s: s.write(value_map.to_toml()))
+            shown = f" (and the merge map fitted on the input, {fitted})"
         write_atomically(args.output, lambda s: write_table(published, s))
-        rows, beside = len(published), ""
+        rows = len(published)
     if args.report:
         write_json(args.report, {
             "mechanism": args.mechanism,
@@ -74,7 +90,7 @@ def command_publish(args: argparse.Namespace) -> int:
             **details,
         })  # fmt: skip
     log(
-        f"  published {rows:,} rows to {args.output}{beside} "
+        f"  published {rows:,} rows to {args.output}{shown} "
         f"in {time.perf_counter() - started:.2f} s"
     )
     return 0

@@ -34,6 +34,7 @@ from service.publication import (
     load_batch,
     log,
     open_input,
+    personal_merge_map,
     reconstruction_of,
 )
 from service.reconstruct import PublishedCells, Query, QueryError, Reconstruction
@@ -212,6 +213,8 @@ def command_query(args: argparse.Namespace) -> int:
         if raw.rejections:
             raise CommandError(f"{args.published}: {raw.rejections[0]} (is it a published file?)")
         cells = PublishedCells.from_rows(raw.header, raw.rows)
+        if chosen == "personal":
+            personal_merge_map(settings, args.published)
         answerer = reconstruction_of(
             chosen, settings, cells, column_names(args.sensitive), args.confidence, args.clip
         )
