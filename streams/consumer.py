@@ -88,7 +88,7 @@ class Consumer:
         config: StreamConfig,
         client: aioredis.Redis,
         publisher: Publisher,
-        leads: Callable[[], bool] = lambda: True,
+        leads: Callable[[], bool],
     ) -> None:
         """`leads()` tells whether this consumer is the one of its group that publishes the
         reports and raises or clears the pause flag; every consumer runs the tests."""
