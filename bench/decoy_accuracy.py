@@ -12,6 +12,8 @@ queries, and the first --queries of each are kept:
 - small: true count 1–10; target mean relative error ≥ 50% (small counts must
   stay noisy: that is the privacy side).
 
+The draw is ``service.planning.query_pool``, the one `splu plan` measures with.
+
 The table is published --publications times (ServiceKey.from_seed(s) and
 random_ids(n, key), s = --seed, --seed + 1, ...) with each grouping, and every
 configuration of grouping × transition matrix × method answers the whole pool
@@ -36,6 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from report import DRAW_LIMIT, log, print_table
 
+from service import planning
 from service.mechanisms.decoy import DecoyGroups
 from service.prf import ServiceKey, random_ids
 from service.reconstruct import DecoyReconstruction, PublishedCells, Query
@@ -45,7 +48,7 @@ QUASI = ("age", "sex", "race", "marital_status", "education")
 SENSITIVE = "occupation"
 LARGE_TARGET = 0.20
 SMALL_TARGET = 0.50
-SMALL_MAX = 10
+SMALL_MAX = planning.SMALL_MAX
 
 
 @dataclass(frozen=True)
@@ -98,27 +101,10 @@ def query_pool(
     table: Table, per_band: int, rng: np.random.Generator
 ) -> tuple[list[Query], np.ndarray, int]:
     """(queries, true counts, draws): the first `per_band` large ones, then small ones."""
-    large_min = math.ceil(0.01 * len(table))
-    occupations = table.schema[SENSITIVE].domain
-    bands: dict[str, list[tuple[Query, int]]] = {"large": [], "small": []}
-    draws = 0
-    while min(len(b) for b in bands.values()) < per_band:
-        draws += 1
-        if draws > DRAW_LIMIT * per_band:
-            raise SystemExit(f"no {per_band:,} queries per band after {draws - 1:,} draws")
-        columns = rng.choice(QUASI, size=rng.integers(1, 4), replace=False)
-        record = rng.integers(len(table))
-        occupation = rng.integers(len(occupations))
-        matches = table.codes[SENSITIVE] == occupation
-        for column in columns:
-            matches &= table.codes[column] == table.codes[column][record]
-        true = int(matches.sum())
-        band = "large" if true >= large_min else "small" if 1 <= true <= SMALL_MAX else None
-        if band is not None and len(bands[band]) < per_band:
-            where = {c: (table.schema[c].domain[table.codes[c][record]],) for c in columns}
-            bands[band].append((Query(where, {SENSITIVE: occupations[occupation]}), true))
-    chosen = bands["large"] + bands["small"]
-    return [q for q, _ in chosen], np.asarray([t for _, t in chosen], dtype=np.float64), draws
+    pool = planning.query_pool(table, SENSITIVE, QUASI, per_band, rng, DRAW_LIMIT * per_band)
+    if min(pool.large, pool.small) < per_band:
+        raise SystemExit(f"no {per_band:,} queries per band after {pool.draws:,} draws")
+    return pool.queries, pool.true, pool.draws
 
 
 def percent(x: float) -> str:
@@ -182,7 +168,7 @@ def main() -> None:
     )
     print(
         f"{args.queries:,} queries per band (from {draws:,} random draws, seed {args.seed}): "
-        f"large = true count ≥ {math.ceil(0.01 * n)} (1% of N), small = 1–{SMALL_MAX}; "
+        f"large = true count ≥ {planning.large_minimum(n)} (1% of N), small = 1–{SMALL_MAX}; "
         f"{len(seeds)} publications (seeds {seeds.start}–{seeds.stop - 1})"
     )
     print("relative error = |estimate − true| / true, pooled over queries and publications\n")

@@ -8,7 +8,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from service.commands import audit, data, guarantees, merge, publish, query
+from service.commands import audit, data, guarantees, merge, plan, publish, query
 from service.commands.common import CommandError, Commands
 from service.reconstruct import QueryError
 from service.schema import SchemaError
@@ -30,7 +30,7 @@ def new_parser() -> tuple[argparse.ArgumentParser, Commands]:
 
 def register(commands: Commands) -> None:
     """Add the batch commands, in the order ``splu --help`` lists them."""
-    for group in (publish, query, guarantees, merge, audit, data):
+    for group in (publish, query, guarantees, plan, merge, audit, data):
         group.register(commands)
 
 

@@ -1,0 +1,445 @@
+"""`splu plan`: which γ (or p, λ, δ) to choose, with guarantees and errors measured on a
+sample of the user's own data, and the stream-config block of the recommended setting."""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from service import planning
+from service.commands.common import (
+    BUDGET_HELP,
+    FORMATTER,
+    LAMBDA_HELP,
+    CommandError,
+    Commands,
+    add_table_options,
+    key_and_ids,
+    read_input_table,
+    report_rejections,
+    write_json,
+)
+from service.mechanisms.personal import BUDGETS
+from service.merge import ValueMap
+from service.publication import SHOWN, log, only_sensitive
+from service.table import Table
+
+MECHANISMS = ("decoy", "personal")
+# Random query draws allowed per query wanted, as in bench/: a sample without small (or
+# large) queries ends the search instead of spinning.
+DRAW_LIMIT = 1000
+# Separate random streams of one --seed, so --records does not change the queries drawn.
+SUBSAMPLE_STREAM, QUERY_STREAM = 1, 2
+TRUSTED_SIDE = (
+    "The plan is itself a release of the raw sample: keep its output on the trusted side. "
+    "Per value it shows shares of the sample, never a record."
+)
+
+DESCRIPTION = f"""\
+Measure, on a sample of your own data, what each setting of decoy groups and personal
+groups guarantees and how accurate its counts are, and recommend one:
+
+  decoy, every feasible γ (2 up to 1/the largest value's share): T_P(ε, α), T_f,
+    the share suppressed, each value's share and amplification 1/(1/γ − t) of
+    conjunctive counts on it (warned past --max-amplification);
+  personal, each --retention p at --lambda/--delta: v_g and v_r of plain
+    perturbation, the share SPS perturbs, v_g under SPS;
+  both: mean and median relative error |estimate − true|/true of random
+    conjunctive counts (1–3 public columns = a record's values ∧ a sensitive
+    value), large (true count ≥ 1% of the rows) and small (1–10), over
+    --publications publications with fresh keys.
+
+The recommendation is the largest γ whose large-count mean error is at most
+--max-error, and the p with the lowest such error among settings SPS keeps private,
+printed as the block to paste into the stream config (`splu run --config`).
+
+{textwrap.fill(TRUSTED_SIDE, 86)}
+
+example:
+  splu sample --output adult.csv
+  splu plan --input adult.csv --sensitive occupation \\
+      --quasi age,sex,race,marital_status,education --max-error 0.2 --json plan.json
+"""
+
+
+def parse_retentions(values: Sequence[str] | None) -> list[float]:
+    """--retention 0.3,0.5 --retention 0.7 as [0.3, 0.5, 0.7]."""
+    out = []
+    for text in (v for value in values or ("0.3,0.5,0.7",) for v in value.split(",")):
+        try:
+            p = float(text)
+        except ValueError:
+            raise CommandError(f"--retention {text!r}: not a number") from None
+        if not 0 < p < 1:
+            raise CommandError(f"--retention {text}: p must lie in (0, 1)")
+        out.append(p)
+    return sorted(set(out))
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    for flag, value in (
+        ("--publications", args.publications),
+        ("--queries", args.queries),
+        ("--alpha", args.alpha),
+    ):
+        if value < 1:
+            raise CommandError(f"{flag} must be at least 1, got {value}")
+    if args.records is not None and args.records < 2:
+        raise CommandError(f"--records must be at least 2, got {args.records}")
+    if not args.max_error > 0:
+        raise CommandError(f"--max-error must be positive, got {args.max_error}")
+    if not args.max_amplification > 0:
+        raise CommandError(f"--max-amplification must be positive, got {args.max_amplification}")
+
+
+def random_stream(seed: int | None, stream: int) -> np.random.Generator:
+    return np.random.default_rng(None if seed is None else [stream, seed])
+
+
+def sample_of(table: Table, records: int | None, seed: int | None) -> Table:
+    """--records rows drawn without replacement (all rows if the table has fewer)."""
+    if records is None or records >= len(table):
+        return table
+    rng = random_stream(seed, SUBSAMPLE_STREAM)
+    return table.take(np.sort(rng.choice(len(table), records, replace=False)))
+
+
+def percent(value: float | None) -> str:
+    return "–" if value is None else f"{100 * value:.1f}%"
+
+
+def band(errors: dict[str, Any], name: str, statistic: str) -> str:
+    figures = errors[name]
+    return percent(None if figures is None else figures[statistic])
+
+
+def print_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    widths = [max(len(str(c)) for c in column) for column in zip(header, *rows, strict=True)]
+    for row in (header, *rows):
+        print("  " + "  ".join(str(c).rjust(w) for c, w in zip(row, widths, strict=True)))
+
+
+def print_decoy(settings: Sequence[planning.Setting], args: argparse.Namespace) -> None:
+    first = settings[0].guarantees
+    print(
+        f"\nDecoy groups ({planning.GROUPING}); T_P at ε = {first['epsilon']:g}, α = "
+        f"{first['alpha']}; T_f at ε = {first['utility_epsilon']:g}, T_E = {first['T_E']:g}"
+    )
+    print_table(
+        ["γ", "T_P", "T_f", "suppressed", "large mean", "median", "small mean", "median",
+         "warnings"],
+        [
+            [
+                str(s.parameters["gamma"]), f"{s.guarantees['T_P']:.3f}",
+                f"{s.guarantees['T_f']:,}", percent(s.guarantees["suppressed_share"]),
+                band(s.errors, "large", "mean"), band(s.errors, "large", "median"),
+                band(s.errors, "small", "mean"), band(s.errors, "small", "median"),
+                str(len(s.warnings)),
+            ]
+            for s in settings
+        ],
+    )  # fmt: skip
+    values = first["values"]
+    print(
+        f"\n  share of each value in the sample, and the amplification 1/(1/γ − t) of "
+        f"conjunctive counts on it (! past {args.max_amplification:g}):"
+    )
+    rows = []
+    for i, entry in enumerate(values[:SHOWN]):
+        cells = [entry["value"], percent(entry["share"])]
+        for s in settings:
+            factor = s.guarantees["values"][i]["amplification"]
+            shown = "∞" if factor is None else f"{factor:.1f}"
+            warned = factor is None or factor > args.max_amplification
+            cells.append(shown + ("!" if warned else " "))
+        rows.append(cells)
+    print_table(["value", "share", *(f"γ={s.parameters['gamma']} " for s in settings)], rows)
+    if len(values) > SHOWN:
+        smallest = values[SHOWN - 1]["share"]
+        print(f"  ... and {len(values) - SHOWN} more values, each at most {smallest:.1%}")
+    for s in settings:
+        # The JSON lists one warning per value; here one line per γ keeps the table readable.
+        warned = [
+            (v["value"], v["amplification"])
+            for v in s.guarantees["values"]
+            if v["amplification"] is None or v["amplification"] > args.max_amplification
+        ]
+        if warned:
+            listed = ", ".join(
+                f"{value} {'∞' if factor is None else f'{factor:.1f}×'}"
+                for value, factor in warned[:3]
+            )
+            more = f" and {len(warned) - 3} more" if len(warned) > 3 else ""
+            print(
+                f"  warning, γ = {s.parameters['gamma']}: {len(warned)} of {len(values)} values "
+                f"amplify conjunctive counts past {args.max_amplification:g}×: {listed}{more}"
+            )
+
+
+def print_personal(settings: Sequence[planning.Setting], merge_map: str | None) -> None:
+    p = settings[0].parameters
+    groups = f"merged by {merge_map}" if merge_map else "each public combination a group"
+    print(
+        f"\nPersonal groups (λ = {p['lambda']:g}, δ = {p['delta']:g}, {p['budget']} budget; "
+        f"{settings[0].guarantees['groups']:,} groups, {groups})"
+    )
+    print_table(
+        ["p", "plain v_g", "plain v_r", "SPS perturbs", "SPS v_g", "large mean", "median",
+         "small mean", "median"],
+        [
+            [
+                f"{s.parameters['retention']:g}", percent(s.guarantees["plain"]["v_g"]),
+                percent(s.guarantees["plain"]["v_r"]), percent(s.guarantees["perturbed_share"]),
+                percent(s.guarantees["sps"]["v_g"]),
+                band(s.errors, "large", "mean"), band(s.errors, "large", "median"),
+                band(s.errors, "small", "mean"), band(s.errors, "small", "median"),
+            ]
+            for s in settings
+        ],
+    )  # fmt: skip
+    for s in settings:
+        if s.guarantees["sps"]["v_g"]:
+            print(f"  warning, p = {s.parameters['retention']:g}: {s.warnings[-1]}")
+
+
+def recommendation(
+    mechanism: str, settings: Sequence[planning.Setting], args: argparse.Namespace
+) -> dict[str, Any]:
+    """The recommended setting of `mechanism` with its block, or why there is none."""
+    if mechanism == "decoy":
+        chosen = planning.recommend_decoy(settings, args.max_error)
+        rule = "the largest γ whose"
+    else:
+        chosen = planning.recommend_personal(settings, args.max_error)
+        rule = "among settings SPS keeps private (v_g = 0), the lowest"
+    if chosen is None:
+        planned = [s.large_mean() for s in settings if s.mechanism == mechanism]
+        best = min((e for e in planned if e is not None), default=None)
+        return {
+            "mechanism": mechanism,
+            "setting": None,
+            "toml": None,
+            "reason": f"no setting keeps the large-count mean error at or below "
+            f"{args.max_error:.1%} (the lowest is {percent(best)})",
+        }
+    return {
+        "mechanism": mechanism,
+        "setting": chosen.parameters,
+        "toml": planning.toml_block(chosen),
+        "reason": f"{rule} large-count mean error ({percent(chosen.large_mean())}) is at most "
+        f"{args.max_error:.1%}",
+    }
+
+
+def command_plan(args: argparse.Namespace) -> int:
+    check_arguments(args)
+    mechanisms = list(dict.fromkeys(args.mechanism or MECHANISMS))
+    retentions = parse_retentions(args.retention)
+    started = time.perf_counter()
+    table, rejections = read_input_table(args)
+    report_rejections(rejections)
+    sensitive = only_sensitive(table, "splu plan")
+    public = [a.name for a in table.schema.public]
+    if not public:
+        raise CommandError("name the public columns with --quasi: the queries condition on them")
+    table = sample_of(table, args.records, args.seed)
+    n = len(table)
+    log(f"  planning on {n:,} rows. {TRUSTED_SIDE}")
+    pool = planning.query_pool(
+        table, sensitive, public, args.queries, random_stream(args.seed, QUERY_STREAM),
+        DRAW_LIMIT * args.queries,
+    )  # fmt: skip
+    log(f"  {pool.large:,} large and {pool.small:,} small queries from {pool.draws:,} draws")
+    releases = [
+        key_and_ids(None if args.seed is None else args.seed + i, n)
+        for i in range(args.publications)
+    ]
+    merge_map = (args.merge_map, ValueMap.load(args.merge_map)) if args.merge_map else None
+    gammas = planning.feasible_gammas(table, sensitive) if "decoy" in mechanisms else range(0)
+    if "decoy" in mechanisms and not gammas:
+        raise CommandError(
+            f"no γ ≥ 2 is feasible: {sensitive!r} needs two values, none above half the rows"
+        )
+    total = len(gammas) + len(retentions) * ("personal" in mechanisms)
+    settings: list[planning.Setting] = []
+
+    def progress(label: str, setting: planning.Setting) -> None:
+        settings.append(setting)
+        log(
+            f"  [{len(settings)}/{total}] {label}: large-count error "
+            f"{percent(setting.large_mean())} ({time.perf_counter() - started:.1f} s)"
+        )
+
+    for gamma in gammas:
+        progress(
+            f"decoy γ = {gamma}",
+            planning.plan_decoy(
+                table, sensitive, gamma, pool, releases, args.epsilon, args.alpha, args.te,
+                args.utility_epsilon or args.epsilon, args.max_amplification,
+            ),
+        )  # fmt: skip
+    if "personal" in mechanisms:
+        for p in retentions:
+            progress(
+                f"personal p = {p:g}",
+                planning.plan_personal(
+                    table, sensitive, p, args.lam, args.delta, args.budget, merge_map, pool,
+                    releases,
+                ),
+            )  # fmt: skip
+    recommendations = [recommendation(m, settings, args) for m in mechanisms]
+
+    print(
+        f"splu plan: {n:,} rows of {args.input}, sensitive {sensitive} "
+        f"({table.schema[sensitive].size} values), public {', '.join(public)}"
+    )
+    print(
+        f"{pool.large:,} large queries (true count ≥ {planning.large_minimum(n):,}, 1% of the "
+        f"rows) and {pool.small:,} small ones (1–{planning.SMALL_MAX}), each answered on "
+        f"{args.publications} publication(s); error = |estimate − true| / true"
+    )
+    print(TRUSTED_SIDE)
+    for warning in planning.missing_bands(pool):
+        print(f"warning: {warning}; its errors are not measured (a larger sample may hold one)")
+    decoy = [s for s in settings if s.mechanism == "decoy"]
+    personal = [s for s in settings if s.mechanism == "personal"]
+    if decoy:
+        print_decoy(decoy, args)
+    if personal:
+        print_personal(personal, args.merge_map)
+    print(f"\nRecommendation (--max-error {args.max_error:.1%} on large counts):")
+    for r in recommendations:
+        if r["toml"] is None:
+            print(f"  {r['mechanism']}: none; {r['reason']}")
+            continue
+        print(f"  {r['mechanism']}: {r['reason']}. Paste into the stream config:\n")
+        print("".join(f"    {line}\n" for line in r["toml"].splitlines()))
+    if any(r["toml"] for r in recommendations):
+        print("  then: splu run --config my-stream.toml --input answers.csv")
+
+    if args.json:
+        write_json(args.json, {
+            "input": args.input, "rows": n, "sensitive": sensitive, "quasi": public,
+            "seed": args.seed, "publications": args.publications,
+            "queries": {
+                "large": pool.large, "small": pool.small, "draws": pool.draws,
+                "large_min_count": planning.large_minimum(n), "small_max_count": planning.SMALL_MAX,
+            },
+            "max_error": args.max_error, "max_amplification": args.max_amplification,
+            "trusted_side": TRUSTED_SIDE,
+            "settings": [s.row() for s in settings],
+            "recommendations": recommendations,
+            "seconds": time.perf_counter() - started,
+        })  # fmt: skip
+        log(f"  wrote {args.json}")
+    log(f"  planned {len(settings)} settings in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def register(commands: Commands) -> None:
+    """Add `splu plan`."""
+    plan = commands.add_parser(
+        "plan",
+        formatter_class=FORMATTER,
+        help="choose γ (or p, λ, δ) with guarantees and errors measured on your own sample",
+        description=DESCRIPTION,
+    )
+    add_table_options(plan)
+    plan.add_argument(
+        "--mechanism",
+        action="append",
+        choices=MECHANISMS,
+        help="plan decoy groups, personal groups (repeat for both; default both)",
+    )
+    plan.add_argument(
+        "--max-error",
+        type=float,
+        default=0.25,
+        metavar="E",
+        help="largest acceptable mean relative error of large counts (default 0.25)",
+    )
+    plan.add_argument(
+        "--publications",
+        type=int,
+        default=3,
+        metavar="N",
+        help="publications per setting, each with a fresh key (default 3)",
+    )
+    plan.add_argument(
+        "--queries",
+        type=int,
+        default=1000,
+        metavar="N",
+        help="random queries per band, large and small (default 1000)",
+    )
+    plan.add_argument(
+        "--records",
+        type=int,
+        metavar="N",
+        help="plan on N rows drawn at random without replacement (default: every row); "
+        "the run time grows with the rows",
+    )
+    plan.add_argument(
+        "--seed",
+        type=int,
+        help="derive the subsample, the queries and the keys from N, to repeat a plan exactly",
+    )
+    plan.add_argument("--json", metavar="OUT", help="write one row per setting as JSON "
+                      "(schema: docs/plan.schema.json)")  # fmt: skip
+    decoy = plan.add_argument_group("decoy groups (the thresholds of `splu guarantees`)")
+    decoy.add_argument(
+        "--epsilon", type=float, default=0.3, help="relative error ε of T_P (default 0.3)"
+    )
+    decoy.add_argument(
+        "--alpha", type=int, default=10, help="largest count that must stay private (default 10)"
+    )
+    decoy.add_argument(
+        "--te",
+        type=float,
+        default=0.02,
+        help="T_f: tolerated probability T_E of an error ≥ ε (default 0.02)",
+    )
+    decoy.add_argument(
+        "--utility-epsilon",
+        type=float,
+        help="relative error for T_f (default: --epsilon)",
+    )
+    decoy.add_argument(
+        "--max-amplification",
+        type=float,
+        default=10.0,
+        metavar="X",
+        help="warn when a value's share t makes 1/(1/γ − t) exceed X (default 10): the noise "
+        "of conjunctive counts on that value is amplified that much. It is γ at t = 0, so "
+        "at γ ≥ X every value warns",
+    )
+    personal = plan.add_argument_group("personal groups")
+    personal.add_argument(
+        "--retention",
+        action="append",
+        metavar="P,P",
+        help="retention probabilities p to plan (default 0.3,0.5,0.7); repeat or comma-separate",
+    )
+    personal.add_argument("--lambda", dest="lam", type=float, default=0.3, help=LAMBDA_HELP)
+    personal.add_argument(
+        "--delta", type=float, default=0.3, help="δ in (0, 1), see --lambda (default 0.3)"
+    )
+    personal.add_argument(
+        "--budget",
+        choices=BUDGETS,
+        default="conservative",
+        help=BUDGET_HELP.replace("default", "the batch default")
+        + "; default conservative, as a stream's",
+    )
+    personal.add_argument(
+        "--merge-map",
+        metavar="FILE",
+        help="the merge map the stream will name (`splu merge`); without it every public "
+        "combination is a group of its own, as in a stream without one",
+    )
+    plan.set_defaults(run=command_plan)

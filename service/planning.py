@@ -1,0 +1,357 @@
+"""What `splu plan` computes: guarantees and accuracy of decoy and personal groups measured
+on a sample of the user's own data, and the setting to recommend. No printing here; the
+command (`service/commands/plan.py`) reports.
+
+Accuracy is measured as `bench/decoy_accuracy.py` measures it (which imports `query_pool`
+from here): random conjunctive count queries "1–3 public columns = the values of a random
+record ∧ sensitive = a uniform value of its domain", kept in two bands by their true count,
+
+- large: true count ≥ 1% of the rows (the utility side: the error should be small);
+- small: true count 1–10 (the privacy side: the error should stay large);
+
+answered on publications made with fresh keys; the relative error |estimate − true| / true
+is pooled over queries and publications.
+
+Everything here reads the raw sample, so every result is a release of it: per value only
+shares of the sample are reported, never a record.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from service.guarantees import privacy_threshold, utility_threshold
+from service.mechanisms.decoy import DecoyGroups
+from service.mechanisms.personal import PersonalGroups
+from service.merge import ValueMap
+from service.prf import ServiceKey
+from service.reconstruct import (
+    DecoyReconstruction,
+    PersonalReconstruction,
+    PublishedCells,
+    Query,
+    Reconstruction,
+)
+from service.table import Table
+
+LARGE_SHARE = 0.01
+SMALL_MAX = 10
+MAX_ATTRIBUTES = 3
+# The only cutting rule a stream accepts (service/config.py), so the only one worth planning.
+GROUPING = "size-weighted"
+
+Releases = Sequence[tuple[ServiceKey, np.ndarray]]
+
+
+def large_minimum(rows: int) -> int:
+    """The smallest true count of a large query: 1% of the rows."""
+    return math.ceil(LARGE_SHARE * rows)
+
+
+@dataclass
+class QueryPool:
+    """The large queries first, then the small ones, with their true counts."""
+
+    queries: list[Query]
+    true: np.ndarray
+    large: int
+    small: int
+    draws: int
+
+
+def query_pool(
+    table: Table,
+    sensitive: str,
+    public: Sequence[str],
+    per_band: int,
+    rng: np.random.Generator,
+    draw_limit: int,
+) -> QueryPool:
+    """Up to `per_band` queries per band, drawn at random until both are full or
+    `draw_limit` draws are spent (a small sample may hold no large or small query)."""
+    large_min = large_minimum(len(table))
+    domain = table.schema[sensitive].domain
+    widest = min(MAX_ATTRIBUTES, len(public))
+    bands: dict[str, list[tuple[Query, int]]] = {"large": [], "small": []}
+    draws = 0
+    while min(len(b) for b in bands.values()) < per_band and draws < draw_limit:
+        draws += 1
+        columns = rng.choice(public, size=rng.integers(1, widest + 1), replace=False)
+        record = rng.integers(len(table))
+        value = rng.integers(len(domain))
+        matches = table.codes[sensitive] == value
+        for column in columns:
+            matches &= table.codes[column] == table.codes[column][record]
+        true = int(matches.sum())
+        band = "large" if true >= large_min else "small" if 1 <= true <= SMALL_MAX else None
+        if band is not None and len(bands[band]) < per_band:
+            where = {str(c): (table.schema[c].domain[table.codes[c][record]],) for c in columns}
+            bands[band].append((Query(where, {sensitive: domain[value]}), true))
+    chosen = bands["large"] + bands["small"]
+    return QueryPool(
+        [q for q, _ in chosen],
+        np.asarray([t for _, t in chosen], dtype=np.float64),
+        len(bands["large"]),
+        len(bands["small"]),
+        draws,
+    )
+
+
+@dataclass
+class Errors:
+    """Absolute relative errors of each band, one array per publication."""
+
+    large: list[np.ndarray] = field(default_factory=list)
+    small: list[np.ndarray] = field(default_factory=list)
+
+    def add(self, reconstruction: Reconstruction, pool: QueryPool) -> None:
+        answers = reconstruction.estimate_many(pool.queries)
+        estimates = np.asarray([a.estimate for a in answers])
+        error = np.abs(estimates - pool.true) / pool.true
+        self.large.append(error[: pool.large])
+        self.small.append(error[pool.large :])
+
+    def summary(self) -> dict[str, dict[str, float | int] | None]:
+        """Mean and median of each band, None for a band without queries."""
+        out: dict[str, dict[str, float | int] | None] = {}
+        for band, parts in (("large", self.large), ("small", self.small)):
+            pooled = np.concatenate(parts) if parts else np.empty(0)
+            out[band] = (
+                {
+                    "mean": float(pooled.mean()),
+                    "median": float(np.median(pooled)),
+                    "queries": len(pooled) // max(len(parts), 1),
+                }
+                if len(pooled)
+                else None
+            )
+        return out
+
+
+@dataclass
+class Setting:
+    """One planned setting, as a row of the plan (`row()` is its JSON form)."""
+
+    mechanism: str
+    parameters: dict[str, Any]
+    guarantees: dict[str, Any]
+    errors: dict[str, dict[str, float | int] | None]
+    warnings: list[str]
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "mechanism": self.mechanism,
+            "parameters": self.parameters,
+            "guarantees": self.guarantees,
+            "errors": self.errors,
+            "warnings": self.warnings,
+        }
+
+    def large_mean(self) -> float | None:
+        large = self.errors["large"]
+        return None if large is None else float(large["mean"])
+
+
+def value_shares(table: Table, sensitive: str) -> list[tuple[str, float]]:
+    """Each sensitive value present and its share of the sample, largest first."""
+    counts = np.bincount(table.codes[sensitive], minlength=table.schema[sensitive].size)
+    domain = table.schema[sensitive].domain
+    present = [(domain[v], int(c)) for v, c in enumerate(counts) if c]
+    present.sort(key=lambda item: (-item[1], item[0]))
+    return [(value, c / len(table)) for value, c in present]
+
+
+def feasible_gammas(table: Table, sensitive: str) -> range:
+    """γ from 2 up to the eligibility limit: no value may hold more than 1/γ of the rows
+    (γ·largest ≤ N, in integers so a share of exactly 1/γ counts) and a group needs γ
+    distinct values."""
+    counts = np.bincount(table.codes[sensitive])
+    largest, distinct = int(counts.max(initial=0)), int((counts > 0).sum())
+    limit = min(len(table) // largest, distinct) if largest else 1
+    return range(2, limit + 1)
+
+
+def amplification(share: float, gamma: int) -> float:
+    """How much a conjunctive count on a value of this share amplifies the noise: 1/(1/γ − t),
+    infinite at t = 1/γ (the count is then unidentifiable)."""
+    gap = 1.0 / gamma - share
+    return math.inf if gap <= 1e-12 else 1.0 / gap
+
+
+def plan_decoy(
+    table: Table,
+    sensitive: str,
+    gamma: int,
+    pool: QueryPool,
+    releases: Releases,
+    epsilon: float,
+    alpha: int,
+    error_tolerance: float,
+    utility_epsilon: float,
+    max_amplification: float,
+) -> Setting:
+    """Decoy groups of size γ: T_P, T_f, what is suppressed, each value's amplification,
+    and the errors over one publication per (key, ids) in `releases`."""
+    privacy = privacy_threshold(gamma, epsilon, alpha)
+    utility = utility_threshold(gamma, utility_epsilon, error_tolerance)
+    mechanism = DecoyGroups(gamma, GROUPING)
+    errors = Errors()
+    suppressed, trimmed = [], []
+    for key, ids in releases:
+        release = mechanism.publish(table, ids, key)
+        suppressed.append(sum(sum(c.values()) for c in release.suppressed.values()))
+        trimmed.append(len(release.trimmed_lines))
+        cells = PublishedCells.from_table(release.published)
+        errors.add(DecoyReconstruction(cells, gamma, [sensitive]), pool)
+    values, warnings = [], []
+    for value, share in value_shares(table, sensitive):
+        factor = amplification(share, gamma)
+        values.append(
+            {
+                "value": value,
+                "share": share,
+                "amplification": None if math.isinf(factor) else factor,
+            }
+        )
+        if factor > max_amplification:
+            shown = "unbounded" if math.isinf(factor) else f"{factor:.1f}×"
+            warnings.append(
+                f"{sensitive}={value} ({share:.1%} of the sample, 1/γ = {1 / gamma:.1%}): "
+                f"the noise of conjunctive counts on it is amplified {shown}, past "
+                f"{max_amplification:g}"
+            )
+    warnings.extend(missing_bands(pool))
+    return Setting(
+        "decoy",
+        {"gamma": gamma, "grouping": GROUPING},
+        {
+            "epsilon": epsilon,
+            "alpha": alpha,
+            "T_P": privacy.threshold,
+            "utility_epsilon": utility_epsilon,
+            "T_E": error_tolerance,
+            "T_f": utility.threshold,
+            "suppressed_share": float(np.mean(suppressed)) / len(table),
+            "trimmed_rows": int(max(trimmed)),
+            "values": values,
+        },
+        errors.summary(),
+        warnings,
+    )
+
+
+def plan_personal(
+    table: Table,
+    sensitive: str,
+    retention: float,
+    lam: float,
+    delta: float,
+    budget: str,
+    merge_map: tuple[str, ValueMap] | None,
+    pool: QueryPool,
+    releases: Releases,
+) -> Setting:
+    """Personal groups at retention p: v_g and v_r of plain perturbation and under SPS, the
+    share SPS perturbs, and the errors over one publication per (key, ids). `merge_map` is
+    the stream's (file, map), None to group by every public combination as a stream does
+    without one."""
+    value_map = None if merge_map is None else merge_map[1]
+    mechanism = PersonalGroups(retention, lam, delta, budget, value_map)
+    domain_size = table.schema[sensitive].size
+    errors = Errors()
+    perturbed = []
+    release = None
+    for key, ids in releases:
+        release = mechanism.publish(table, ids, key)
+        perturbed.append(release.sampled_rows / len(table))
+        cells = PublishedCells.from_table(release.published)
+        errors.add(
+            PersonalReconstruction(
+                cells, sensitive, retention, domain_size, lam, delta, budget, value_map
+            ),
+            pool,
+        )
+    if release is None:
+        raise ValueError("a plan needs at least one publication")
+    # The audits depend on the true data only, so any publication's are the plan's.
+    plain, sps = release.plain, release.audit
+    warnings = missing_bands(pool)
+    if sps.groups_failing:
+        warnings.append(
+            f"SPS leaves {sps.groups_failing:.1%} of the personal groups over their trial limit"
+        )
+    return Setting(
+        "personal",
+        {
+            "retention": retention,
+            "lambda": lam,
+            "delta": delta,
+            "budget": budget,
+            "merge_map": None if merge_map is None else merge_map[0],
+        },
+        {
+            "groups": len(plain.sizes),
+            "plain": {"v_g": plain.groups_failing, "v_r": plain.records_failing},
+            "sps": {"v_g": sps.groups_failing, "v_r": sps.records_failing},
+            "perturbed_share": float(np.mean(perturbed)),
+        },
+        errors.summary(),
+        warnings,
+    )
+
+
+def missing_bands(pool: QueryPool) -> list[str]:
+    """Warnings for a band the sample gave no query for: its error is not measured."""
+    out = []
+    if not pool.large:
+        out.append(f"no large query (true count ≥ {LARGE_SHARE:.0%} of the rows) was found")
+    if not pool.small:
+        out.append(f"no small query (true count 1–{SMALL_MAX}) was found")
+    return out
+
+
+def recommend_decoy(settings: Sequence[Setting], max_error: float) -> Setting | None:
+    """The largest γ whose large-count mean error is at most `max_error`."""
+    fitting = [
+        s
+        for s in settings
+        if s.mechanism == "decoy" and (e := s.large_mean()) is not None and e <= max_error
+    ]
+    return max(fitting, key=lambda s: s.parameters["gamma"], default=None)
+
+
+def recommend_personal(settings: Sequence[Setting], max_error: float) -> Setting | None:
+    """Among personal settings that SPS keeps private in every group (v_g = 0), the one with
+    the lowest large-count mean error, if it is at most `max_error`."""
+    fitting = [
+        s
+        for s in settings
+        if s.mechanism == "personal"
+        and s.guarantees["sps"]["v_g"] == 0
+        and (e := s.large_mean()) is not None
+        and e <= max_error
+    ]
+    return min(fitting, key=lambda s: s.large_mean() or 0.0, default=None)
+
+
+def toml_block(setting: Setting) -> str:
+    """The stream config's table for `setting`, as service/config.py reads it."""
+    p = setting.parameters
+    if setting.mechanism == "decoy":
+        return f'[decoy]\ngamma = {p["gamma"]}\ngrouping = "{p["grouping"]}"\n'
+    lines = [
+        "[personal]",
+        f"retention = {p['retention']:g}",
+        f"lambda = {p['lambda']:g}",
+        f"delta = {p['delta']:g}",
+        f'budget = "{p["budget"]}"',
+    ]
+    if p["merge_map"]:
+        lines.append(f"merge_map = {json.dumps(p['merge_map'])}")
+    return "\n".join(lines) + "\n"

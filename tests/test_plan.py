@@ -1,0 +1,245 @@
+"""`splu plan`: the amplification warnings, the recommendation against --max-error, the JSON
+against docs/plan.schema.json, and the errors against bench/decoy_accuracy.py on Adult."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from service.cli import main
+from service.mechanisms.decoy import DecoyGroups
+from service.prf import ServiceKey, random_ids
+from service.reconstruct import DecoyReconstruction, PublishedCells
+from service.table import open_sample, read_table
+
+ROOT = Path(__file__).parents[1]
+SCHEMA = json.loads((ROOT / "docs" / "plan.schema.json").read_text())
+QUASI = "age,sex,race,marital_status,education"
+
+
+@pytest.fixture(scope="module")
+def adult_csv(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "adult.csv"
+    assert main(["sample", "--output", str(path)]) == 0
+    return path
+
+
+def plan(tmp_path: Path, source: Path, *extra: str) -> dict[str, Any]:
+    out = tmp_path / f"plan{len(list(tmp_path.glob('plan*.json')))}.json"
+    assert main(["plan", "--input", str(source), "--json", str(out), *extra]) == 0
+    return json.loads(out.read_text())
+
+
+# A small validator of the JSON Schema keywords docs/plan.schema.json uses (jsonschema is not
+# a dependency); test_the_validator_knows_every_keyword keeps the two in step.
+ANNOTATIONS = {"$schema", "title", "description", "$defs"}
+TYPES = {
+    "object": lambda x: isinstance(x, dict),
+    "array": lambda x: isinstance(x, list),
+    "string": lambda x: isinstance(x, str),
+    "integer": lambda x: isinstance(x, int) and not isinstance(x, bool),
+    "number": lambda x: isinstance(x, int | float) and not isinstance(x, bool),
+    "null": lambda x: x is None,
+}
+KEYWORDS = {
+    "type", "required", "additionalProperties", "properties", "items", "oneOf", "$ref",
+    "const", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+}  # fmt: skip
+
+
+def problems(instance: Any, schema: dict[str, Any], path: str = "$") -> list[str]:
+    if "$ref" in schema:
+        target = SCHEMA
+        for part in schema["$ref"].removeprefix("#/").split("/"):
+            target = target[part]
+        return problems(instance, target, path)
+    out = []
+    if "type" in schema:
+        types = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        if not any(TYPES[t](instance) for t in types):
+            return [f"{path}: {instance!r} is not of type {types}"]
+    if "const" in schema and instance != schema["const"]:
+        out.append(f"{path}: {instance!r} is not {schema['const']!r}")
+    if "enum" in schema and instance not in schema["enum"]:
+        out.append(f"{path}: {instance!r} is not one of {schema['enum']}")
+    if "oneOf" in schema:
+        matching = [s for s in schema["oneOf"] if not problems(instance, s, path)]
+        if len(matching) != 1:
+            out.append(f"{path}: matches {len(matching)} of oneOf")
+    if TYPES["number"](instance):
+        for keyword, holds in (
+            ("minimum", lambda bound: instance >= bound),
+            ("maximum", lambda bound: instance <= bound),
+            ("exclusiveMinimum", lambda bound: instance > bound),
+            ("exclusiveMaximum", lambda bound: instance < bound),
+        ):
+            if keyword in schema and not holds(schema[keyword]):
+                out.append(f"{path}: {instance} breaks {keyword} {schema[keyword]}")
+    if isinstance(instance, dict):
+        out += [f"{path}: no {k!r}" for k in schema.get("required", ()) if k not in instance]
+        properties = schema.get("properties", {})
+        for key, value in instance.items():
+            if key in properties:
+                out += problems(value, properties[key], f"{path}.{key}")
+            elif schema.get("additionalProperties") is False:
+                out.append(f"{path}: unexpected {key!r}")
+    if isinstance(instance, list) and "items" in schema:
+        for i, item in enumerate(instance):
+            out += problems(item, schema["items"], f"{path}[{i}]")
+    return out
+
+
+def keywords(schema: Any, inside_properties: bool = False) -> set[str]:
+    if isinstance(schema, list):
+        return set().union(*(keywords(s) for s in schema))
+    if not isinstance(schema, dict):
+        return set()
+    found = set() if inside_properties else set(schema)
+    for key, value in schema.items():
+        found |= keywords(value, inside_properties=key in ("properties", "$defs"))
+    return found
+
+
+def test_the_validator_knows_every_keyword():
+    assert keywords(SCHEMA) - ANNOTATIONS <= KEYWORDS
+
+
+def skewed_csv(path: Path, top: int) -> Path:
+    """1,000 rows: value A holds `top` rows, B..J share the rest evenly."""
+    values = ["A"] * top + [v for v in "BCDEFGHIJ" for _ in range((1000 - top) // 9)]
+    values += ["J"] * (1000 - len(values))
+    with path.open("w", newline="") as stream:
+        writer = csv.writer(stream)
+        writer.writerow(["p", "q", "s"])
+        writer.writerows([f"p{i % 10}", f"q{i % 3}", v] for i, v in enumerate(values))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("top", "shown"),
+    # 19%: 1/(1/5 − 0.19) = 100 and 1/(1/4 − 0.19) = 16.7 pass 10, 1/(1/3 − 0.19) = 7.0 not;
+    # B..J at 9% reach only 1/(1/5 − 0.09) = 9.1. 20% = 1/5 exactly: unbounded at γ = 5.
+    [(190, "100.0×"), (200, "unbounded")],
+)
+def test_warnings_fire_for_a_value_near_one_over_gamma(tmp_path, capsys, top, shown):
+    source = skewed_csv(tmp_path / "skewed.csv", top)
+    document = plan(
+        tmp_path, source, "--sensitive", "s", "--quasi", "p,q", "--mechanism", "decoy",
+        "--publications", "1", "--queries", "50", "--seed", "1",
+    )  # fmt: skip
+    rows = {r["parameters"]["gamma"]: r for r in document["settings"]}
+    assert sorted(rows) == [2, 3, 4, 5]  # 1000 // top = 5: the eligibility limit
+    amplified = {
+        gamma: [w for w in row["warnings"] if "amplified" in w] for gamma, row in rows.items()
+    }
+    assert amplified[2] == amplified[3] == []
+    assert len(amplified[4]) == len(amplified[5]) == 1
+    assert amplified[4][0].startswith("s=A ") and amplified[5][0].startswith("s=A ")
+    assert f"amplified {shown}" in amplified[5][0]
+    factor = rows[5]["guarantees"]["values"][0]["amplification"]
+    assert factor is None if top == 200 else factor == pytest.approx(100)
+    assert "warning, γ = 5: 1 of 10 values amplify" in capsys.readouterr().out
+    assert not problems(document, SCHEMA)
+
+
+@pytest.fixture(scope="module")
+def adult_plan(adult_csv, tmp_path_factory) -> dict[str, Any]:
+    # A 10,000-row subsample keeps it quick; --seed fixes subsample, queries and keys.
+    return plan(
+        tmp_path_factory.mktemp("plan"), adult_csv, "--sensitive", "occupation",
+        "--quasi", QUASI, "--records", "10000", "--publications", "1", "--queries", "300",
+        "--retention", "0.5,0.7", "--seed", "5",
+    )  # fmt: skip
+
+
+def test_the_json_validates_against_the_schema(adult_plan):
+    assert adult_plan["rows"] == 10_000
+    assert [r["mechanism"] for r in adult_plan["settings"]].count("personal") == 2
+    assert not problems(adult_plan, SCHEMA)
+    broken = json.loads(json.dumps(adult_plan))
+    del broken["settings"][0]["errors"]["large"]["median"]
+    broken["settings"][-1]["guarantees"]["sps"]["v_g"] = 2
+    assert len(problems(broken, SCHEMA)) == 2
+
+
+def test_the_recommendation_respects_max_error(adult_plan, adult_csv, tmp_path, capsys):
+    decoy = {r["parameters"]["gamma"]: r["errors"]["large"]["mean"]
+             for r in adult_plan["settings"] if r["mechanism"] == "decoy"}  # fmt: skip
+    # Between two neighbouring γ's errors: the smaller γ is the largest one under it.
+    gamma = min(decoy, key=lambda g: abs(decoy[g] - 0.15))
+    assert decoy[gamma] < decoy[gamma + 1]
+    threshold = (decoy[gamma] + decoy[gamma + 1]) / 2
+    document = plan(
+        tmp_path, adult_csv, "--sensitive", "occupation", "--quasi", QUASI,
+        "--records", "10000", "--publications", "1", "--queries", "300",
+        "--retention", "0.5,0.7", "--seed", "5", "--max-error", str(threshold),
+    )  # fmt: skip
+    assert [r["errors"] for r in document["settings"]] == [
+        r["errors"] for r in adult_plan["settings"]
+    ]
+    chosen = {r["mechanism"]: r for r in document["recommendations"]}
+    assert chosen["decoy"]["setting"] == {"gamma": gamma, "grouping": "size-weighted"}
+    assert chosen["decoy"]["toml"] == f'[decoy]\ngamma = {gamma}\ngrouping = "size-weighted"\n'
+    personal = [r for r in document["settings"] if r["mechanism"] == "personal"]
+    best = min(personal, key=lambda r: r["errors"]["large"]["mean"])
+    assert best["errors"]["large"]["mean"] <= threshold
+    assert chosen["personal"]["setting"] == best["parameters"]
+    assert f"retention = {best['parameters']['retention']:g}\n" in chosen["personal"]["toml"]
+    out = capsys.readouterr().out
+    assert f"    gamma = {gamma}\n" in out and "then: splu run --config" in out
+
+    strict = plan(
+        tmp_path, adult_csv, "--sensitive", "occupation", "--quasi", QUASI,
+        "--records", "2000", "--publications", "1", "--queries", "100",
+        "--retention", "0.5", "--seed", "5", "--max-error", "0.0001",
+    )  # fmt: skip
+    assert [r["setting"] for r in strict["recommendations"]] == [None, None]
+    assert "decoy: none; no setting keeps" in capsys.readouterr().out
+
+
+def test_errors_agree_with_bench_decoy_accuracy_on_adult(adult_csv, tmp_path):
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import decoy_accuracy
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    document = plan(
+        tmp_path, adult_csv, "--sensitive", "occupation", "--quasi", QUASI,
+        "--mechanism", "decoy", "--seed", "11",
+    )  # fmt: skip
+    planned = next(r for r in document["settings"] if r["parameters"]["gamma"] == 5)["errors"]
+
+    # bench/decoy_accuracy.py's default configuration, its own query seed and keys.
+    with open_sample() as stream:
+        table, _ = read_table(
+            stream, quasi=decoy_accuracy.QUASI, sensitive=[decoy_accuracy.SENSITIVE]
+        )
+    per_band, publications = 1000, 5
+    queries, true, _ = decoy_accuracy.query_pool(table, per_band, np.random.default_rng(0))
+    errors = []
+    for seed in range(100, 100 + publications):
+        key = ServiceKey.from_seed(seed)
+        release = DecoyGroups(5).publish(table, random_ids(len(table), key), key)
+        cells = PublishedCells.from_table(release.published)
+        answers = DecoyReconstruction(cells, 5, [decoy_accuracy.SENSITIVE]).estimate_many(queries)
+        errors.append(np.abs(np.asarray([a.estimate for a in answers]) - true) / true)
+    errors = np.asarray(errors)  # (publications, queries)
+
+    # Each side's mean is over P publications of one random pool of Q queries, so its
+    # variance is σ²_pub/P (key to key) + σ²_query/Q (pool to pool), both estimated from
+    # bench's errors; the sides are independent and bench has P = 5, the plan 3.
+    for name, columns in (("large", slice(0, per_band)), ("small", slice(per_band, None))):
+        band = errors[:, columns]
+        between_publications = band.mean(axis=1).var(ddof=1)
+        between_queries = band.mean(axis=0).var(ddof=1)
+        variance = between_queries / per_band
+        variance = 2 * variance + between_publications * (1 / publications + 1 / 3)
+        difference = planned[name]["mean"] - band.mean()
+        assert abs(difference) <= 4 * math.sqrt(variance), (name, planned[name], band.mean())
