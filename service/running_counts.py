@@ -139,22 +139,25 @@ class RunningCounts:
     async def tally(self) -> dict[bytes, int]:
         """Every cell's count, summed over the shards."""
         out: dict[bytes, int] = {}
-        for partition in range(self.partitions):
-            for cell, count in (
-                await self.client.hgetall(f"{self.prefix(partition)}:cells")
-            ).items():
+        for cells in await self._every_shard("cells"):
+            for cell, count in cells.items():
                 out[cell] = out.get(cell, 0) + int(count)
         return out
 
     async def stats(self) -> dict[str, int]:
         """records and duplicates, summed over the shards."""
         out: dict[str, int] = {}
-        for partition in range(self.partitions):
-            for name, value in (
-                await self.client.hgetall(f"{self.prefix(partition)}:stats")
-            ).items():
+        for counters in await self._every_shard("stats"):
+            for name, value in counters.items():
                 out[name.decode()] = out.get(name.decode(), 0) + int(value)
         return out
+
+    async def _every_shard(self, name: str) -> list[dict[bytes, bytes]]:
+        """HGETALL of one hash of every shard, in one pipeline (one round trip per node)."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            for partition in range(self.partitions):
+                pipe.hgetall(f"{self.prefix(partition)}:{name}")
+            return await pipe.execute()
 
     async def check_layout(self) -> None:
         """Raise LegacyCountsError if an earlier version's unsharded counts exist: a consumer

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from deploy.embedded import EmbeddedServers, Endpoints
+from service.cli import main
 from service.schema import Attribute, Schema
 from service.table import Table, open_sample, read_table
 
@@ -37,6 +39,14 @@ def adult() -> Table:
         table, rejections = read_table(stream, quasi=ADULT_QUASI, sensitive=["occupation"])
     assert not rejections
     return table
+
+
+@pytest.fixture(scope="session")
+def adult_csv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bundled sample as `splu sample` writes it."""
+    path = tmp_path_factory.mktemp("data") / "adult.csv"
+    assert main(["sample", "--output", str(path)]) == 0
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -16,13 +16,6 @@ from service.cli import main
 QUASI = "age,sex,race,marital_status,education"
 
 
-@pytest.fixture(scope="module")
-def adult_csv(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "adult.csv"
-    assert main(["sample", "--output", str(path)]) == 0
-    return path
-
-
 def publish(adult_csv: Path, out: Path, *extra: str) -> int:
     return main([
         "publish", "--input", str(adult_csv), "--output", str(out), "--mechanism", "decoy",

@@ -24,13 +24,6 @@ SCHEMA = json.loads((ROOT / "docs" / "plan.schema.json").read_text())
 QUASI = "age,sex,race,marital_status,education"
 
 
-@pytest.fixture(scope="module")
-def adult_csv(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "adult.csv"
-    assert main(["sample", "--output", str(path)]) == 0
-    return path
-
-
 def plan(tmp_path: Path, source: Path, *extra: str) -> dict[str, Any]:
     out = tmp_path / f"plan{len(list(tmp_path.glob('plan*.json')))}.json"
     assert main(["plan", "--input", str(source), "--json", str(out), *extra]) == 0

@@ -128,6 +128,32 @@ class Fleet:
             process.stop()
 
 
+def settled_and_counted(harness: Harness) -> tuple[dict[str, int], list, dict[bytes, bytes]]:
+    """Once every record is published, suppressed or held below the floor, with nothing
+    pending or in flight: the totals, every published message (copies included) and each
+    distinct token's value, after checking that the accounting adds up, that the distinct
+    tokens are the records published, and that the consumers counted each once."""
+    final = wait_for(
+        lambda: (
+            (t := asyncio.run(totals(harness)))["settled"] == RECORDS
+            and t["pending"] == t["in_flight"] == 0
+            and t
+        ),
+        "every record published, suppressed or held below the floor",
+    )
+    assert final["ingested"] == RECORDS
+    resolved = final["published"] + final.get("suppressed", 0)
+    assert final["ingested"] == resolved + final["below_floor"]
+    messages = asyncio.run(harness.read_all(harness.config.topics["published"]))
+    distinct = {m.key: m.value for m in messages}
+    assert len(distinct) == final["published"]
+    wait_for(
+        lambda: asyncio.run(counted(harness)).get("records") == len(distinct),
+        "the consumers to count every distinct token",
+    )
+    return final, messages, distinct
+
+
 def produce_in_background(harness: Harness, rate: float = RATE) -> threading.Thread:
     rows = adult_rows(harness.config)
     thread = threading.Thread(
@@ -162,28 +188,11 @@ def test_three_workers_and_two_consumers_on_a_redis_cluster_through_kills(
         fleet.consumers[0] = fleet.start_consumer(0)
         producer.join()
 
-        final = wait_for(
-            lambda: (
-                (t := asyncio.run(totals(harness)))["settled"] == RECORDS
-                and t["pending"] == t["in_flight"] == 0
-                and t
-            ),
-            "every record published, suppressed or held below the floor",
-        )
-        assert final["ingested"] == RECORDS and final.get("rejected", 0) == 0
-        resolved = final["published"] + final.get("suppressed", 0)
-        assert final["ingested"] == resolved + final["below_floor"]
+        final, messages, distinct = settled_and_counted(harness)
+        assert final.get("rejected", 0) == 0
         assert final["below_floor"] < PARTITIONS * config.mixing_pool
-
-        messages = asyncio.run(harness.read_all(config.topics["published"]))
-        distinct = {m.key: m.value for m in messages}
-        assert len(distinct) == final["published"]
         # Copies a killed worker re-sent sit in the partition of their token, with the first.
         assert all(m.partition == partition_of(m.key, PARTITIONS) for m in messages)
-        wait_for(
-            lambda: asyncio.run(counted(harness)).get("records") == len(distinct),
-            "the consumers to count every distinct token",
-        )
 
         for url in fleet.pages:
             assert page(f"{url}/healthz") == 200, url
@@ -263,24 +272,7 @@ def test_a_worker_and_a_consumer_ride_through_a_master_failover(replicated_clust
         cluster.wait_until_ok()
         producer.join()
 
-        final = wait_for(
-            lambda: (
-                (t := asyncio.run(totals(harness)))["settled"] == RECORDS
-                and t["pending"] == t["in_flight"] == 0
-                and t
-            ),
-            "every record published, suppressed or held below the floor",
-        )
-        assert final["ingested"] == RECORDS
-        resolved = final["published"] + final.get("suppressed", 0)
-        assert final["ingested"] == resolved + final["below_floor"]
-        messages = asyncio.run(harness.read_all(config.topics["published"]))
-        distinct = {m.key for m in messages}
-        assert len(distinct) == final["published"]
-        wait_for(
-            lambda: asyncio.run(counted(harness)).get("records") == len(distinct),
-            "the consumer to count every distinct token",
-        )
+        settled_and_counted(harness)
         for process in fleet.workers + fleet.consumers:
             assert process.running, f"exited with {process.returncode}"
     finally:

@@ -194,6 +194,27 @@ def add_table_options(parser: argparse.ArgumentParser, schema: bool = True) -> N
         )
 
 
+def add_threshold_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The thresholds of T_P(ε, α) and T_f (`splu guarantees`, `splu plan`)."""
+    parser.add_argument(
+        "--epsilon", type=float, default=0.3, help="relative error ε of T_P (default 0.3)"
+    )
+    parser.add_argument(
+        "--alpha", type=int, default=10, help="largest count that must stay private (default 10)"
+    )
+    parser.add_argument(
+        "--te",
+        type=float,
+        default=0.02,
+        help="T_f: tolerated probability T_E of an error ≥ ε (default 0.02)",
+    )
+    parser.add_argument(
+        "--utility-epsilon",
+        type=float,
+        help="relative error for T_f (default: --epsilon)",
+    )
+
+
 def add_mechanism_options(parser: argparse.ArgumentParser, reconstruction: bool) -> None:
     parser.add_argument(
         "--mechanism",

@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 
-from service.commands.common import FORMATTER, GAMMA_HELP, CommandError, Commands
+from service.commands.common import (
+    FORMATTER,
+    GAMMA_HELP,
+    CommandError,
+    Commands,
+    add_threshold_options,
+)
 from service.guarantees import chebyshev_thresholds, privacy_threshold, utility_threshold
 
 
@@ -76,22 +82,6 @@ def register(commands: Commands) -> None:
         help="decoy groups (personal groups: see `splu audit personal`)",
     )
     guarantees.add_argument("--gamma", type=int, default=5, help=GAMMA_HELP)
-    guarantees.add_argument(
-        "--epsilon", type=float, default=0.3, help="relative error ε (default 0.3)"
-    )
-    guarantees.add_argument(
-        "--alpha", type=int, default=10, help="largest count that must stay private (default 10)"
-    )
-    guarantees.add_argument(
-        "--te",
-        type=float,
-        default=0.02,
-        help="utility: tolerated probability T_E of an error ≥ ε (default 0.02)",
-    )
-    guarantees.add_argument(
-        "--utility-epsilon",
-        type=float,
-        help="relative error for the utility threshold (default: --epsilon)",
-    )
+    add_threshold_options(guarantees)
     guarantees.add_argument("--json", action="store_true", help="machine-readable output")
     guarantees.set_defaults(run=command_guarantees)

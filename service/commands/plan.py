@@ -19,6 +19,7 @@ from service.commands.common import (
     CommandError,
     Commands,
     add_table_options,
+    add_threshold_options,
     key_and_ids,
     read_input_table,
     report_rejections,
@@ -392,23 +393,7 @@ def register(commands: Commands) -> None:
     plan.add_argument("--json", metavar="OUT", help="write one row per setting as JSON "
                       "(schema: docs/plan.schema.json)")  # fmt: skip
     decoy = plan.add_argument_group("decoy groups (the thresholds of `splu guarantees`)")
-    decoy.add_argument(
-        "--epsilon", type=float, default=0.3, help="relative error ε of T_P (default 0.3)"
-    )
-    decoy.add_argument(
-        "--alpha", type=int, default=10, help="largest count that must stay private (default 10)"
-    )
-    decoy.add_argument(
-        "--te",
-        type=float,
-        default=0.02,
-        help="T_f: tolerated probability T_E of an error ≥ ε (default 0.02)",
-    )
-    decoy.add_argument(
-        "--utility-epsilon",
-        type=float,
-        help="relative error for T_f (default: --epsilon)",
-    )
+    add_threshold_options(decoy)
     decoy.add_argument(
         "--max-amplification",
         type=float,
