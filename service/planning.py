@@ -10,7 +10,9 @@ record ∧ sensitive = a uniform value of its domain", kept in two bands by thei
 - small: true count 1–10 (the privacy side: the error should stay large);
 
 answered on publications made with fresh keys; the relative error |estimate − true| / true
-is pooled over queries and publications.
+is pooled over queries and publications. The batch mechanisms (`BASELINES`) are measured
+the same way on the same queries, for comparison only: a stream runs decoy or personal
+groups, so only those are recommended.
 
 Everything here reads the raw sample, so every result is a release of it: per value only
 shares of the sample are reported, never a record.
@@ -20,23 +22,35 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from service.guarantees import privacy_threshold, utility_threshold
+from service.mechanisms.anatomy import Anatomy, AnatomyReconstruction
+from service.mechanisms.dbr import DBRReconstruction, DistributionBasedRandomization
 from service.mechanisms.decoy import DecoyGroups
+from service.mechanisms.fprivacy import FPrivacyBucketization, FPrivacyReconstruction
+from service.mechanisms.global_randomization import (
+    GlobalRandomization,
+    GlobalRandomizationReconstruction,
+)
 from service.mechanisms.personal import PersonalGroups
+from service.mechanisms.sdr import (
+    SDRReconstruction,
+    SmallDomainRandomization,
+    privacy_for_amplification,
+)
 from service.merge import ValueMap
 from service.prf import ServiceKey
+from service.publication import DEFAULTS, Answers
 from service.reconstruct import (
     DecoyReconstruction,
     PersonalReconstruction,
     PublishedCells,
     Query,
-    Reconstruction,
 )
 from service.table import Table
 
@@ -110,7 +124,7 @@ class Errors:
     large: list[np.ndarray] = field(default_factory=list)
     small: list[np.ndarray] = field(default_factory=list)
 
-    def add(self, reconstruction: Reconstruction, pool: QueryPool) -> None:
+    def add(self, reconstruction: Answers, pool: QueryPool) -> None:
         answers = reconstruction.estimate_many(pool.queries)
         estimates = np.asarray([a.estimate for a in answers])
         error = np.abs(estimates - pool.true) / pool.true
@@ -304,6 +318,106 @@ def plan_personal(
         errors.summary(),
         warnings,
     )
+
+
+Published = tuple[Answers, dict[str, Any]]
+
+
+def _anatomy(
+    table: Table, sensitive: str, gamma: int, key: ServiceKey, ids: np.ndarray
+) -> Published:
+    return AnatomyReconstruction(Anatomy(gamma).publish(table, ids, key)), {"ell": gamma}
+
+
+def _global(
+    table: Table, sensitive: str, gamma: int, key: ServiceKey, ids: np.ndarray
+) -> Published:
+    m = table.schema[sensitive].size
+    cells = PublishedCells.from_table(GlobalRandomization(gamma, m).publish(table, ids, key))
+    return GlobalRandomizationReconstruction(cells, sensitive, gamma, m), {"gamma": gamma}
+
+
+def _sdr(table: Table, sensitive: str, gamma: int, key: ServiceKey, ids: np.ndarray) -> Published:
+    rho1, rho2 = privacy_for_amplification(np.bincount(table.codes[sensitive]), gamma)
+    release = SmallDomainRandomization(rho1, rho2).publish(table, ids, key)
+    parameters = {"gamma": gamma, "rho1": float(rho1), "rho2": float(rho2)}
+    return SDRReconstruction.from_release(release), parameters
+
+
+def _fprivacy(table: Table, sensitive: str, key: ServiceKey, ids: np.ndarray) -> Published:
+    defaults = DEFAULTS["fprivacy"]
+    theta, beta = defaults["theta"], defaults["beta"]
+    release = FPrivacyBucketization(theta, beta, max_size=defaults["max_size"]).publish(
+        table, ids, key
+    )
+    return FPrivacyReconstruction(release.published), {"theta": float(theta), "beta": float(beta)}
+
+
+def _dbr(table: Table, sensitive: str, key: ServiceKey, ids: np.ndarray) -> Published:
+    cells = PublishedCells.from_table(DistributionBasedRandomization().publish(table, ids, key))
+    return DBRReconstruction(cells, [sensitive]), {}
+
+
+# The batch mechanisms `--mechanism all` plans, each as one publication and its estimator:
+# the first three at each planned γ (Anatomy's ℓ = γ, global randomization's 1/γ retention,
+# SDR's amplification γ), the others once, at `splu publish`'s defaults.
+WITH_GAMMA: dict[str, Callable[[Table, str, int, ServiceKey, np.ndarray], Published]] = {
+    "anatomy": _anatomy,
+    "global": _global,
+    "sdr": _sdr,
+}
+WITHOUT_GAMMA: dict[str, Callable[[Table, str, ServiceKey, np.ndarray], Published]] = {
+    "fprivacy": _fprivacy,
+    "dbr": _dbr,
+}
+BASELINES = (*WITH_GAMMA, *WITHOUT_GAMMA)
+
+
+BASELINE_GUARANTEES = {
+    "anatomy": "ℓ-diversity: each QI-group holds ℓ distinct values, so a value is linked to a "
+    "record with probability at most 1/ℓ",
+    "global": "a record keeps its value with probability p = 1/γ (decoy groups' retention) "
+    "and publishes each other value with q; one record's change moves the likelihood by "
+    "p/q = (m − 1)/(γ − 1)",
+    "sdr": "restricted (ρ1, ρ2)-privacy: a value of prior share at most ρ1 has a posterior "
+    "at most ρ2",
+    "fprivacy": "F′-privacy: each value's share in a bucket stays below its threshold "
+    "f′ = min{1, θ·f + β}",
+    "dbr": "every value is redrawn from the column's distribution: nothing of a record's own "
+    "value is published, and conjunctive counts carry no signal",
+}
+
+
+def plan_baseline(
+    mechanism: str,
+    table: Table,
+    sensitive: str,
+    gamma: int | None,
+    pool: QueryPool,
+    releases: Releases,
+) -> Setting:
+    """A batch mechanism (`BASELINES`) at `gamma` (those in `WITH_GAMMA`; None for the
+    others): its guarantee in words and the errors over one publication per (key, ids)."""
+    if (gamma is None) == (mechanism in WITH_GAMMA):
+        raise ValueError(f"{mechanism} takes {'a' if mechanism in WITH_GAMMA else 'no'} γ")
+    errors = Errors()
+    parameters: dict[str, Any] = {}
+    for key, ids in releases:
+        if gamma is None:
+            answers, parameters = WITHOUT_GAMMA[mechanism](table, sensitive, key, ids)
+        else:
+            answers, parameters = WITH_GAMMA[mechanism](table, sensitive, gamma, key, ids)
+        errors.add(answers, pool)
+    guarantees = {"statement": BASELINE_GUARANTEES[mechanism]}
+    return Setting(mechanism, parameters, guarantees, errors.summary(), missing_bands(pool))
+
+
+def baseline_gammas(mechanism: str, table: Table, sensitive: str, gammas: range) -> list[int]:
+    """The planned γ a batch mechanism can publish at: global randomization needs more than
+    γ values (its retention 1/γ must exceed each other value's probability)."""
+    if mechanism == "global":
+        return [g for g in gammas if table.schema[sensitive].size > g]
+    return list(gammas)
 
 
 def missing_bands(pool: QueryPool) -> list[str]:

@@ -4,7 +4,7 @@ Each row's Kafka key is a record id, ``<file digest>:<line>`` unless a column
 holds one, so producing the same file twice stores every record once, another
 file never collides with it, and a record always lands on the same partition.
 Rows are sent in batches and the producer waits for every acknowledgement; a
-progress line is refreshed on stderr.
+progress bar is redrawn on stderr when it is a terminal.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import asyncio
 import csv
 import hashlib
 import json
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,10 +21,10 @@ from typing import TextIO
 from aiokafka import AIOKafkaProducer
 
 from service.config import StreamConfig
+from service.progress import progress_bar
 from streams.topics import create_topics
 
 BATCH = 1000
-PROGRESS_EVERY = 0.5  # seconds
 
 
 class ProduceError(ValueError):
@@ -78,42 +77,28 @@ async def produce(
     except BaseException:
         await producer.stop()
         raise
-    sent, started, shown = 0, time.monotonic(), 0.0
+    sent, started = 0, time.monotonic()
     # Batches of at most a tenth of a second's worth, so a rate is kept smoothly.
     size = min(BATCH, max(1, int(rate / 10))) if rate else BATCH
-    try:
-        batch: list[asyncio.Future] = []
-        for key, value in rows:
-            batch.append(await producer.send(config.topics["raw"], value, key=key))
-            sent += 1
-            if len(batch) >= size:
-                await asyncio.gather(*batch)
-                batch.clear()
-                if rate:
-                    ahead = sent / rate - (time.monotonic() - started)
-                    if ahead > 0:
-                        await asyncio.sleep(ahead)
-            if progress and time.monotonic() - shown >= PROGRESS_EVERY:
-                shown = time.monotonic()
-                _progress(sent, total, started)
-        await asyncio.gather(*batch)
-    finally:
-        await producer.stop()
-    if progress:
-        _progress(sent, total, started)
-        print(file=sys.stderr)
+    with progress_bar(total, "produced", "rec", scale=True, quiet=not progress) as bar:
+        try:
+            batch: list[asyncio.Future] = []
+            for key, value in rows:
+                batch.append(await producer.send(config.topics["raw"], value, key=key))
+                sent += 1
+                if len(batch) >= size:
+                    await asyncio.gather(*batch)
+                    bar.update(len(batch))
+                    batch.clear()
+                    if rate:
+                        ahead = sent / rate - (time.monotonic() - started)
+                        if ahead > 0:
+                            await asyncio.sleep(ahead)
+            await asyncio.gather(*batch)
+            bar.update(len(batch))
+        finally:
+            await producer.stop()
     return sent
-
-
-def _progress(sent: int, total: int | None, started: float) -> None:
-    elapsed = max(time.monotonic() - started, 1e-9)
-    if total:
-        width = 30
-        done = int(width * sent / total)
-        bar = f"[{'#' * done}{'.' * (width - done)}] {sent:,}/{total:,} ({sent / total:.0%})"
-    else:
-        bar = f"{sent:,} records"
-    print(f"\r  produced {bar}  {sent / elapsed:,.0f} rec/s", end="", file=sys.stderr, flush=True)
 
 
 def file_digest(path: Path) -> str:

@@ -41,6 +41,7 @@ from deploy.embedded import (
 from service import client
 from service.buffer import BufferState, connect
 from service.config import StreamConfig, load_config
+from service.progress import progress_bar
 from streams.produce import count_rows, file_digest, produce, rows_of
 from streams.topics import create_topics
 
@@ -154,42 +155,49 @@ async def _stream(
         producing = asyncio.create_task(produce(config, rows, total, rate, progress=False))
         totals: dict[str, int] = {}
         counted, moved, shown = 0, time.monotonic(), 0.0
-        live = sys.stdout.isatty()
+        # A terminal gets a redrawn bar on stderr, a log a line every PROGRESS_EVERY s.
+        live = sys.stderr.isatty()
         progress: tuple[int, ...] = ()
         print("waiting for the worker and consumer to join their groups (a few seconds)")
         try:
-            while True:
-                await asyncio.sleep(0.5)
-                totals = await buffer.totals()
-                counted = await _counted(url) if counting else 0
-                sent = producing.result() if producing.done() else None
-                done = totals.get("settled", 0) + totals.get("rejected", 0)
-                finished = sent is not None and done >= sent
-                finished = finished and (counted >= totals.get("published", 0) or not counting)
-                if live or finished or time.monotonic() - shown >= PROGRESS_EVERY:
-                    shown = time.monotonic()
-                    print(_progress_line(totals, counted, live), end="" if live else "\n")
-                if finished:
-                    break
-                if (now := (totals.get("ingested", 0), done, counted)) != progress:
-                    progress, moved = now, time.monotonic()
-                elif time.monotonic() - moved > TIMEOUT:
-                    raise RunError(
-                        f"nothing moved for {TIMEOUT:.0f} s: {totals.get('ingested', 0):,} "
-                        f"records in, {done:,} settled, {counted:,} counted"
-                    )
+            with progress_bar(total, "settled", "rec", scale=True) as bar:
+                while True:
+                    await asyncio.sleep(0.5)
+                    totals = await buffer.totals()
+                    counted = await _counted(url) if counting else 0
+                    sent = producing.result() if producing.done() else None
+                    done = totals.get("settled", 0) + totals.get("rejected", 0)
+                    finished = sent is not None and done >= sent
+                    finished = finished and (counted >= totals.get("published", 0) or not counting)
+                    if live:
+                        bar.update(done - bar.n)
+                        bar.set_postfix_str(
+                            f"published {totals.get('published', 0):,}, buffered "
+                            f"{totals.get('pending', 0) + totals.get('pool', 0):,}, "
+                            f"counted {counted:,}"
+                        )
+                    elif finished or time.monotonic() - shown >= PROGRESS_EVERY:
+                        shown = time.monotonic()
+                        print(_progress_line(totals, counted))
+                    if finished:
+                        break
+                    if (now := (totals.get("ingested", 0), done, counted)) != progress:
+                        progress, moved = now, time.monotonic()
+                    elif time.monotonic() - moved > TIMEOUT:
+                        raise RunError(
+                            f"nothing moved for {TIMEOUT:.0f} s: {totals.get('ingested', 0):,} "
+                            f"records in, {done:,} settled, {counted:,} counted"
+                        )
         finally:
-            if live:
-                print()
             if not producing.done():
                 producing.cancel()
             await redis.aclose()
     return totals, sent
 
 
-def _progress_line(totals: Mapping[str, int], counted: int, live: bool) -> str:
+def _progress_line(totals: Mapping[str, int], counted: int) -> str:
     return (
-        f"{chr(13) if live else ''}  in {totals.get('ingested', 0):7,}  "
+        f"  in {totals.get('ingested', 0):7,}  "
         f"buffered {totals.get('pending', 0):6,}  "
         f"mixing pool {totals.get('pool', 0):6,}  "
         f"published {totals.get('published', 0):7,}  "

@@ -236,3 +236,47 @@ def test_errors_agree_with_bench_decoy_accuracy_on_adult(adult_csv, tmp_path):
         variance = 2 * variance + between_publications * (1 / publications + 1 / 3)
         difference = planned[name]["mean"] - band.mean()
         assert abs(difference) <= 4 * math.sqrt(variance), (name, planned[name], band.mean())
+
+
+def test_mechanism_all_plans_the_batch_mechanisms_on_the_same_queries(adult_csv, tmp_path, capsys):
+    image = tmp_path / "plan.png"
+    document = plan(
+        tmp_path, adult_csv, "--sensitive", "occupation", "--quasi", QUASI,
+        "--records", "3000", "--publications", "1", "--queries", "100", "--retention", "0.5",
+        "--seed", "7", "--mechanism", "all", "--plot", str(image),
+    )  # fmt: skip
+    assert not problems(document, SCHEMA)
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for row in document["settings"]:
+        rows.setdefault(row["mechanism"], []).append(row)
+    gammas = [r["parameters"]["gamma"] for r in rows["decoy"]]
+    assert [r["parameters"]["ell"] for r in rows["anatomy"]] == gammas
+    assert [r["parameters"]["gamma"] for r in rows["sdr"]] == gammas
+    # Global randomization needs more values than γ; occupation has 14.
+    assert [r["parameters"]["gamma"] for r in rows["global"]] == [g for g in gammas if g < 14]
+    assert len(rows["fprivacy"]) == len(rows["dbr"]) == len(rows["personal"]) == 1
+    # Every row answered the same queries: the same count in each band.
+    counts = {
+        (b, r["errors"][b]["queries"]) for rs in rows.values() for r in rs for b in r["errors"]
+    }
+    assert counts == {
+        ("large", document["queries"]["large"]),
+        ("small", document["queries"]["small"]),
+    }
+    assert [r["mechanism"] for r in document["recommendations"]] == ["decoy", "personal"]
+    captured = capsys.readouterr()
+    assert "Batch mechanisms on the same queries" in captured.out
+    assert "anatomy: ℓ-diversity" in captured.out
+    # stderr is not a terminal here: no progress bar is drawn into it.
+    assert "\r" not in captured.err and "planning:" not in captured.err
+    assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and image.stat().st_size > 20_000
+
+
+def test_mechanism_all_needs_a_feasible_gamma(tmp_path, capsys):
+    # 60% of the rows hold one value: no γ ≥ 2 is feasible for decoy groups or the baselines.
+    source = skewed_csv(tmp_path / "skewed.csv", 600)
+    arguments = ["plan", "--input", str(source), "--sensitive", "s", "--quasi", "p,q"]
+    assert main([*arguments, "--mechanism", "all"]) == 1
+    assert "no γ ≥ 2 is feasible" in capsys.readouterr().err
+    # Personal groups alone need no γ.
+    assert main([*arguments, "--mechanism", "personal", "--queries", "20"]) == 0

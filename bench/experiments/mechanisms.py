@@ -31,7 +31,6 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from fractions import Fraction
 
 import numpy as np
 
@@ -46,7 +45,11 @@ from service.mechanisms.global_randomization import (
 )
 from service.mechanisms.laplace import LaplaceCounts
 from service.mechanisms.personal import PersonalGroups
-from service.mechanisms.sdr import SDRReconstruction, SmallDomainRandomization
+from service.mechanisms.sdr import (
+    SDRReconstruction,
+    SmallDomainRandomization,
+    privacy_for_amplification,
+)
 from service.merge import ValueMap
 from service.prf import ServiceKey
 from service.reconstruct import DecoyReconstruction, PersonalReconstruction, PublishedCells
@@ -146,16 +149,8 @@ def global_randomization(ctx: Context, gamma: int) -> Outcome:
     return Outcome(estimates, publish, answer)
 
 
-def sdr_privacy(table: Table, sensitive: str, gamma: int) -> tuple[Fraction, Fraction]:
-    """(ρ1, ρ2): ρ1 = 1/⌊N/f_max⌋ protects every value; ρ2 makes the amplification γ."""
-    counts = np.bincount(table.codes[sensitive])
-    rho1 = Fraction(1, len(table) // int(counts.max()))
-    odds = gamma * rho1 / (1 - rho1)  # ρ2/(1 − ρ2) = γ·ρ1/(1 − ρ1)
-    return rho1, odds / (1 + odds)
-
-
 def sdr(ctx: Context, gamma: int) -> Outcome:
-    rho1, rho2 = sdr_privacy(ctx.table, ctx.pool.sensitive, gamma)
+    rho1, rho2 = privacy_for_amplification(np.bincount(ctx.table.codes[ctx.pool.sensitive]), gamma)
     release, publish = _timed(
         lambda: SmallDomainRandomization(rho1, rho2).publish(ctx.table, ctx.ids, ctx.key)
     )

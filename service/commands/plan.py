@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import textwrap
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -27,10 +28,13 @@ from service.commands.common import (
 )
 from service.mechanisms.personal import BUDGETS
 from service.merge import ValueMap
+from service.progress import progress_bar
 from service.publication import SHOWN, log, only_sensitive
 from service.table import Table
 
+# The stream's mechanisms, which the plan recommends a setting of; `all` adds the batch ones.
 MECHANISMS = ("decoy", "personal")
+EVERY = "all"
 # Random query draws allowed per query wanted, as in bench/: a sample without small (or
 # large) queries ends the search instead of spinning.
 DRAW_LIMIT = 1000
@@ -50,14 +54,19 @@ groups guarantees and how accurate its counts are, and recommend one:
     conjunctive counts on it (warned past --max-amplification);
   personal, each --retention p at --lambda/--delta: v_g and v_r of plain
     perturbation, the share SPS perturbs, v_g under SPS;
-  both: mean and median relative error |estimate − true|/true of random
+  --mechanism all adds the batch mechanisms on the same queries: Anatomy (ℓ = γ),
+    global randomization (retention 1/γ) and SDR (amplification γ) at each γ,
+    F′-privacy and DBR at `splu publish`'s defaults;
+  each: mean and median relative error |estimate − true|/true of random
     conjunctive counts (1–3 public columns = a record's values ∧ a sensitive
     value), large (true count ≥ 1% of the rows) and small (1–10), over
     --publications publications with fresh keys.
 
 The recommendation is the largest γ whose large-count mean error is at most
 --max-error, and the p with the lowest such error among settings SPS keeps private,
-printed as the block to paste into the stream config (`splu run --config`).
+printed as the block to paste into the stream config (`splu run --config`). --plot draws
+the privacy/utility curve: small-count error (higher: more private) and T_P against
+large-count error (lower: more useful).
 
 {textwrap.fill(TRUSTED_SIDE, 86)}
 
@@ -65,6 +74,8 @@ example:
   splu sample --output adult.csv
   splu plan --input adult.csv --sensitive occupation \\
       --quasi age,sex,race,marital_status,education --max-error 0.2 --json plan.json
+  splu plan --input adult.csv --sensitive occupation --quasi age,sex,race \
+      --mechanism all --plot plan.png
 """
 
 
@@ -119,10 +130,17 @@ def band(errors: dict[str, Any], name: str, statistic: str) -> str:
     return percent(None if figures is None else figures[statistic])
 
 
-def print_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+def print_table(
+    header: Sequence[str], rows: Sequence[Sequence[str]], left_columns: int = 0
+) -> None:
+    """Figures right-aligned; the first `left_columns` (names) left-aligned."""
     widths = [max(len(str(c)) for c in column) for column in zip(header, *rows, strict=True)]
     for row in (header, *rows):
-        print("  " + "  ".join(str(c).rjust(w) for c, w in zip(row, widths, strict=True)))
+        cells = [
+            str(c).ljust(w) if i < left_columns else str(c).rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        print("  " + "  ".join(cells))
 
 
 def print_decoy(settings: Sequence[planning.Setting], args: argparse.Namespace) -> None:
@@ -208,6 +226,164 @@ def print_personal(settings: Sequence[planning.Setting], merge_map: str | None) 
             print(f"  warning, p = {s.parameters['retention']:g}: {s.warnings[-1]}")
 
 
+def print_baselines(settings: Sequence[planning.Setting]) -> None:
+    print("\nBatch mechanisms on the same queries (`splu publish --mechanism …`)")
+    print_table(
+        ["mechanism", "parameters", "large mean", "median", "small mean", "median"],
+        [
+            [
+                s.mechanism, parameters_text(s.parameters),
+                band(s.errors, "large", "mean"), band(s.errors, "large", "median"),
+                band(s.errors, "small", "mean"), band(s.errors, "small", "median"),
+            ]
+            for s in settings
+        ],
+        left_columns=2,
+    )  # fmt: skip
+    for mechanism in dict.fromkeys(s.mechanism for s in settings):
+        print(f"  {mechanism}: {planning.BASELINE_GUARANTEES[mechanism]}")
+
+
+def parameters_text(parameters: dict[str, Any]) -> str:
+    shown = ", ".join(f"{k} = {v:.4g}" for k, v in parameters.items())
+    return shown or "–"
+
+
+def run_plan(
+    table: Table,
+    sensitive: str,
+    mechanisms: Sequence[str],
+    baselines: Sequence[str],
+    gammas: range,
+    retentions: Sequence[float],
+    pool: planning.QueryPool,
+    releases: planning.Releases,
+    merge_map: tuple[str, ValueMap] | None,
+    args: argparse.Namespace,
+) -> list[planning.Setting]:
+    """Every setting of the plan, in the order the tables show them, under a progress bar."""
+    steps: list[tuple[str, Callable[[], planning.Setting]]] = []
+    if "decoy" in mechanisms:
+        steps += [
+            (
+                f"decoy γ = {gamma}",
+                partial(
+                    planning.plan_decoy, table, sensitive, gamma, pool, releases, args.epsilon,
+                    args.alpha, args.te, args.utility_epsilon or args.epsilon,
+                    args.max_amplification,
+                ),
+            )
+            for gamma in gammas
+        ]  # fmt: skip
+    if "personal" in mechanisms:
+        steps += [
+            (
+                f"personal p = {p:g}",
+                partial(
+                    planning.plan_personal, table, sensitive, p, args.lam, args.delta,
+                    args.budget, merge_map, pool, releases,
+                ),
+            )
+            for p in retentions
+        ]  # fmt: skip
+    for mechanism in baselines:
+        at = (
+            planning.baseline_gammas(mechanism, table, sensitive, gammas)
+            if mechanism in planning.WITH_GAMMA
+            else [None]
+        )
+        steps += [
+            (
+                f"{mechanism}" + ("" if gamma is None else f" γ = {gamma}"),
+                partial(planning.plan_baseline, mechanism, table, sensitive, gamma, pool, releases),
+            )
+            for gamma in at
+        ]
+    settings = []
+    with progress_bar(len(steps), "planning", unit="setting") as bar:
+        for label, plan in steps:
+            bar.set_postfix_str(label)
+            settings.append(plan())
+            bar.update()
+    return settings
+
+
+def plot_plan(
+    settings: Sequence[planning.Setting],
+    recommendations: Sequence[dict[str, Any]],
+    max_error: float,
+    path: str,
+) -> None:
+    """The privacy/utility curve: each mechanism's small-count error against its large-count
+    error (the further up and left, the better) and, for decoy groups, T_P against it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib import pyplot
+    except ImportError:
+        raise CommandError(
+            "--plot needs matplotlib: pip install 'splu-stream[evaluation]'"
+        ) from None
+    decoy = [s for s in settings if s.mechanism == "decoy" and s.large_mean() is not None]
+    figure, axes = pyplot.subplots(1, 2 if decoy else 1, figsize=(12 if decoy else 6.5, 5))
+    utility = axes[0] if decoy else axes
+    chosen = [r["setting"] for r in recommendations if r["setting"] is not None]
+    for mechanism in dict.fromkeys(s.mechanism for s in settings):
+        points = [
+            s
+            for s in settings
+            if s.mechanism == mechanism and s.errors["large"] and s.errors["small"]
+        ]
+        if not points:
+            continue
+        x = [s.errors["large"]["mean"] for s in points]
+        y = [s.errors["small"]["mean"] for s in points]
+        utility.plot(x, y, "o-", label=mechanism)
+        for s, xi, yi in zip(points, x, y, strict=True):
+            utility.annotate(
+                short_label(s), (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7
+            )
+            if s.parameters in chosen:
+                utility.plot([xi], [yi], "k*", markersize=14, fillstyle="none")
+    utility.set_xlabel("large-count mean relative error (lower: more useful)")
+    utility.set_ylabel("small-count mean relative error (higher: more private)")
+    utility.axvline(max_error, color="grey", linestyle=":", label=f"--max-error {max_error:g}")
+    utility.set_title("privacy/utility on the sample (★ recommended)")
+    utility.legend(fontsize=8)
+    if decoy:
+        privacy = axes[1]
+        x = [s.large_mean() for s in decoy]
+        privacy.plot(x, [s.guarantees["T_P"] for s in decoy], "o-", color="C0")
+        for s, xi in zip(decoy, x, strict=True):
+            privacy.annotate(
+                short_label(s), (xi, s.guarantees["T_P"]), textcoords="offset points",
+                xytext=(4, 4), fontsize=7,
+            )  # fmt: skip
+        privacy.axvline(max_error, color="grey", linestyle=":")
+        privacy.set_xlabel("large-count mean relative error (lower: more useful)")
+        privacy.set_ylabel("T_P: least chance a count ≤ α is off by more than ε·f")
+        privacy.set_title("decoy groups: privacy threshold against error")
+    figure.tight_layout()
+    try:
+        figure.savefig(path, dpi=120)
+    except OSError as err:
+        raise CommandError(f"cannot write {path}: {err.strerror or err}") from None
+    finally:
+        pyplot.close(figure)
+
+
+def short_label(setting: planning.Setting) -> str:
+    p = setting.parameters
+    if "gamma" in p:
+        return f"γ={p['gamma']}"
+    if "ell" in p:
+        return f"ℓ={p['ell']}"
+    if "retention" in p:
+        return f"p={p['retention']:g}"
+    return ""
+
+
 def recommendation(
     mechanism: str, settings: Sequence[planning.Setting], args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -239,7 +415,9 @@ def recommendation(
 
 def command_plan(args: argparse.Namespace) -> int:
     check_arguments(args)
-    mechanisms = list(dict.fromkeys(args.mechanism or MECHANISMS))
+    chosen = args.mechanism or MECHANISMS
+    mechanisms = [m for m in MECHANISMS if m in chosen or EVERY in chosen]
+    baselines = planning.BASELINES if EVERY in chosen else ()
     retentions = parse_retentions(args.retention)
     started = time.perf_counter()
     table, rejections = read_input_table(args)
@@ -261,38 +439,15 @@ def command_plan(args: argparse.Namespace) -> int:
         for i in range(args.publications)
     ]
     merge_map = (args.merge_map, ValueMap.load(args.merge_map)) if args.merge_map else None
-    gammas = planning.feasible_gammas(table, sensitive) if "decoy" in mechanisms else range(0)
-    if "decoy" in mechanisms and not gammas:
+    gammas = planning.feasible_gammas(table, sensitive)
+    if ("decoy" in mechanisms or baselines) and not gammas:
         raise CommandError(
             f"no γ ≥ 2 is feasible: {sensitive!r} needs two values, none above half the rows"
         )
-    total = len(gammas) + len(retentions) * ("personal" in mechanisms)
-    settings: list[planning.Setting] = []
-
-    def progress(label: str, setting: planning.Setting) -> None:
-        settings.append(setting)
-        log(
-            f"  [{len(settings)}/{total}] {label}: large-count error "
-            f"{percent(setting.large_mean())} ({time.perf_counter() - started:.1f} s)"
-        )
-
-    for gamma in gammas:
-        progress(
-            f"decoy γ = {gamma}",
-            planning.plan_decoy(
-                table, sensitive, gamma, pool, releases, args.epsilon, args.alpha, args.te,
-                args.utility_epsilon or args.epsilon, args.max_amplification,
-            ),
-        )  # fmt: skip
-    if "personal" in mechanisms:
-        for p in retentions:
-            progress(
-                f"personal p = {p:g}",
-                planning.plan_personal(
-                    table, sensitive, p, args.lam, args.delta, args.budget, merge_map, pool,
-                    releases,
-                ),
-            )  # fmt: skip
+    settings = run_plan(
+        table, sensitive, mechanisms, baselines, gammas, retentions, pool, releases, merge_map,
+        args,
+    )  # fmt: skip
     recommendations = [recommendation(m, settings, args) for m in mechanisms]
 
     print(
@@ -309,10 +464,13 @@ def command_plan(args: argparse.Namespace) -> int:
         print(f"warning: {warning}; its errors are not measured (a larger sample may hold one)")
     decoy = [s for s in settings if s.mechanism == "decoy"]
     personal = [s for s in settings if s.mechanism == "personal"]
+    batch = [s for s in settings if s.mechanism in planning.BASELINES]
     if decoy:
         print_decoy(decoy, args)
     if personal:
         print_personal(personal, args.merge_map)
+    if batch:
+        print_baselines(batch)
     print(f"\nRecommendation (--max-error {args.max_error:.1%} on large counts):")
     for r in recommendations:
         if r["toml"] is None:
@@ -338,6 +496,9 @@ def command_plan(args: argparse.Namespace) -> int:
             "seconds": time.perf_counter() - started,
         })  # fmt: skip
         log(f"  wrote {args.json}")
+    if args.plot:
+        plot_plan(settings, recommendations, args.max_error, args.plot)
+        log(f"  wrote {args.plot}")
     log(f"  planned {len(settings)} settings in {time.perf_counter() - started:.1f} s")
     return 0
 
@@ -354,8 +515,9 @@ def register(commands: Commands) -> None:
     plan.add_argument(
         "--mechanism",
         action="append",
-        choices=MECHANISMS,
-        help="plan decoy groups, personal groups (repeat for both; default both)",
+        choices=(*MECHANISMS, EVERY),
+        help="plan decoy groups or personal groups (repeat for both; default both), or all: "
+        "both and the batch mechanisms on the same queries, for comparison",
     )
     plan.add_argument(
         "--max-error",
@@ -390,8 +552,13 @@ def register(commands: Commands) -> None:
         type=int,
         help="derive the subsample, the queries and the keys from N, to repeat a plan exactly",
     )
-    plan.add_argument("--json", metavar="OUT", help="write one row per setting as JSON "
-                      "(schema: docs/plan.schema.json)")  # fmt: skip
+    plan.add_argument(
+        "--json",
+        metavar="OUT",
+        help="write one row per setting as JSON (schema: docs/plan.schema.json)",
+    )
+    plan.add_argument("--plot", metavar="OUT.png", help="draw the privacy/utility curve of "
+                      "every setting (needs matplotlib)")  # fmt: skip
     decoy = plan.add_argument_group("decoy groups (the thresholds of `splu guarantees`)")
     add_threshold_options(decoy)
     decoy.add_argument(

@@ -108,6 +108,16 @@ def amplification(rho1: float | Fraction, rho2: float | Fraction) -> Fraction:
     return r2 * (1 - r1) / (r1 * (1 - r2))
 
 
+def privacy_for_amplification(counts: np.ndarray, gamma: int) -> tuple[Fraction, Fraction]:
+    """(ρ1, ρ2) that compare SDR fairly with γ-based mechanisms (seed notes 001 pitfall 20):
+    ρ1 = 1/⌊N/f_max⌋ protects every value (as the paper sets 1/13 on OCC), and ρ2 makes the
+    whole table's amplification ρ2(1 − ρ1)/(ρ1(1 − ρ2)) equal γ. `counts` holds the
+    sensitive column's count of each value."""
+    rho1 = Fraction(1, int(counts.sum()) // int(counts.max()))
+    odds = gamma * rho1 / (1 - rho1)  # ρ2/(1 − ρ2) = γ·ρ1/(1 − ρ1)
+    return rho1, odds / (1 + odds)
+
+
 def max_retention(gamma: Number, m: int) -> Number:
     """p = (γ − 1)/(m − 1 + γ): the largest retention over m values with amplification γ (Eq. 4).
 
