@@ -1,7 +1,8 @@
 """Scale-out on Kafka partitions and a real Redis Cluster (issue 14; docs/scaling.md).
 
 A 3-master Redis Cluster started here (`deploy.embedded.RedisCluster`, from the same server
-binary as every Redis test, so CI runs this again on Debian's redis-server), 6 partitions,
+binary as every Redis test; CI runs the decoy variant and the failover again on Debian's
+redis-server, and personal.lua on both in test_buffer.py), 6 partitions,
 3 worker processes and 2 consumer processes, all as their least-privilege ACL users (set
 on every node). 20,000 Adult records stream in; mid-stream one worker and one consumer are
 SIGKILLed and started again. Then:
@@ -49,8 +50,6 @@ from service.running_counts import RunningCounts
 from streams.app import partition_of
 from streams.produce import produce
 from streams.topics import create_topics
-
-pytestmark = pytest.mark.redis
 
 PARTITIONS = 6
 WORKERS = 3
@@ -163,7 +162,13 @@ def produce_in_background(harness: Harness, rate: float = RATE) -> threading.Thr
     return thread
 
 
-@pytest.mark.parametrize("mechanism", ["decoy", "personal"])
+@pytest.mark.parametrize(
+    "mechanism",
+    [
+        pytest.param("decoy", marks=pytest.mark.redis),
+        pytest.param("personal", marks=pytest.mark.stream),
+    ],
+)
 def test_three_workers_and_two_consumers_on_a_redis_cluster_through_kills(
     cluster_servers, tmp_path, mechanism
 ):
@@ -236,6 +241,7 @@ def replicated_cluster(tmp_path_factory):
         yield endpoints
 
 
+@pytest.mark.redis
 def test_a_worker_and_a_consumer_ride_through_a_master_failover(replicated_cluster, tmp_path):
     """Kill the master of partition 0's slot mid-stream, promote its replica with CLUSTER
     FAILOVER FORCE, start the old master again (it follows the new one): no process exits,
