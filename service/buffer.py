@@ -25,10 +25,11 @@ gauges and aggregates, never a record; `acl_rules` enforces it in Redis.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import suppress
 from dataclasses import dataclass
 from importlib import resources
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
@@ -343,11 +344,12 @@ class BufferState:
                         out[cell] = out.get(cell, 0) + int(count)
         return true, shown
 
-    async def delays(self) -> dict[str, int]:
-        """The emission-delay histogram summed over partitions: non-cumulative counts
-        per upper bound in ms (and "+Inf"), plus "count" and "sum_ms"."""
+    async def delays(self, partitions: Iterable[int] | None = None) -> dict[str, int]:
+        """The emission-delay histogram summed over `partitions` (default: all of the
+        stream's): non-cumulative counts per upper bound in ms (and "+Inf"), plus "count"
+        and "sum_ms"."""
         out: dict[str, int] = {}
-        for partition in range(self.config.partitions):
+        for partition in range(self.config.partitions) if partitions is None else partitions:
             for field, count in (
                 await self.client.hgetall(f"{self.prefix(partition)}:delay")
             ).items():
@@ -365,12 +367,24 @@ class BufferState:
                 merged[name] = merged.get(name, 0) + int(value)
         return out
 
-    async def memory(self) -> int:
-        """Bytes the Redis server uses (all streams share it); in a cluster, its masters."""
+    async def _memory_info(self) -> list[dict[str, Any]]:
+        """INFO memory of the Redis server, or of each master of a cluster."""
         if isinstance(self.client, aioredis.RedisCluster):
             nodes = await self.client.info("memory", target_nodes=aioredis.RedisCluster.PRIMARIES)
-            return sum(int(info["used_memory"]) for info in nodes.values())
-        return int((await self.client.info("memory"))["used_memory"])
+            return list(nodes.values())
+        return [await self.client.info("memory")]
+
+    async def memory(self) -> int:
+        """Bytes the Redis server uses (all streams share it); in a cluster, its masters."""
+        return sum(int(info["used_memory"]) for info in await self._memory_info())
+
+    async def memory_limit(self) -> int:
+        """Bytes the Redis server may use: its maxmemory or, when it sets none, the host's
+        memory (a container's limit is not visible to Redis); in a cluster, its masters'."""
+        return sum(
+            int(info["maxmemory"]) or int(info["total_system_memory"])
+            for info in await self._memory_info()
+        )
 
 
 class StreamBuffer(BufferState):

@@ -1,20 +1,45 @@
-"""Operator metrics: the publish-delay histogram and the Prometheus text format.
+"""Operator metrics: the publish-delay histogram and the Prometheus exposition.
 
-`/metrics` is rendered from the same status document as `/status`, so the two
-never disagree.
+Each process shows what it answers for, so that no process hides the others' numbers
+when it is down (deploy/prometheus/prometheus.yml scrapes them all):
+
+- a worker, the partitions of the raw topic it owns now (`worker_families`): records by
+  state, the buffer against its cap, the mixing pool, records in flight and the
+  publish-delay histogram, each labelled with its partition;
+- the consumer, the stream as a whole (`consumer_families`): its counts and lag, the
+  privacy tests, the pause, the standing queries and Redis's memory. Its `/metrics` is
+  rendered from the document `/status` serves, so the two never disagree.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.utils import floatToGoString
+
+_Family = TypeVar("_Family", GaugeMetricFamily, CounterMetricFamily)
 
 # Upper bounds of the delay histogram in ms (service/lua/emit.lua counts with these). Slow
 # streams wait for the mixing pool's floor to fill, so the bounds reach a day.
 DELAY_BOUNDS_MS = (
     100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 120000, 300000, 900000,
     3600000, 14400000, 86400000,
+)  # fmt: skip
+# Seconds over stream.max_wait a record may take to be published at p99 in a stream that
+# fills its mixing pool (bench/stream_throughput.py holds the pipeline to it): the emit
+# timer's period and the broker's acknowledgement.
+DELAY_SLACK = 1.0
+# Records of a partition by what became of them (`BufferState.stats`).
+RECORD_STATES = (
+    "ingested", "published", "suppressed", "rejected", "redelivered", "conflicts", "expired"
 )  # fmt: skip
 
 
@@ -59,96 +84,184 @@ def difference(later: Mapping[str, int], earlier: Mapping[str, int]) -> dict[str
     return {k: v - earlier.get(k, 0) for k, v in later.items()}
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+class DocumentCollector:
+    """A prometheus-client collector of the families `families(document)` yields.
+
+    A page reads its document from Redis (asynchronously) and then renders it on a registry
+    of its own, so the numbers are those of that one reading, never a mix of two.
+    """
+
+    def __init__(
+        self, document: Mapping[str, Any], families: Callable[[Mapping[str, Any]], Iterable[Metric]]
+    ) -> None:
+        self.document = document
+        self.families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self.families(self.document)
 
 
-def _line(name: str, labels: Mapping[str, str], value: float) -> str:
-    text = ",".join(f'{k}="{_escape(str(v))}"' for k, v in labels.items())
-    if isinstance(value, bool):
-        value = int(value)
-    if isinstance(value, float) and not math.isfinite(value):
-        shown = "NaN" if math.isnan(value) else ("+Inf" if value > 0 else "-Inf")
-    else:
-        shown = repr(value) if isinstance(value, float) else str(value)
-    return f"{name}{{{text}}} {shown}"
+def exposition(
+    document: Mapping[str, Any], families: Callable[[Mapping[str, Any]], Iterable[Metric]]
+) -> bytes:
+    """The families of a document in the Prometheus text format; serve it with
+    prometheus_client.CONTENT_TYPE_LATEST."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(DocumentCollector(document, families))
+    return generate_latest(registry)
 
 
-def render_prometheus(status: Mapping[str, Any]) -> str:
-    """The status document in the Prometheus text exposition format (version 0.0.4)."""
-    stream = {"stream": status["stream"]}
-    out: list[str] = []
+def _family(
+    kind: type[_Family],
+    name: str,
+    help_text: str,
+    stream: str,
+    samples: Iterable[tuple[Mapping[str, str], float | None]],
+) -> _Family:
+    """A gauge or counter family of labelled samples, each also labelled with its stream. A
+    number not known yet (None, before the first report) is left out, not shown as a value."""
+    known = [(labels, value) for labels, value in samples if value is not None]
+    names = ["stream", *(known[0][0] if known else ())]
+    family = kind(name, help_text, labels=names)
+    for labels, value in known:
+        family.add_metric([stream, *(labels[n] for n in names[1:])], float(value))
+    return family
 
-    def family(name: str, kind: str, help_text: str, samples: list[tuple[dict, float]]) -> None:
-        out.append(f"# HELP {name} {help_text}")
-        out.append(f"# TYPE {name} {kind}")
-        # A number not known yet (before the first report) is left out, not written as null.
-        out.extend(
-            _line(name, {**stream, **labels}, value)
-            for labels, value in samples
-            if value is not None
-        )
 
-    worker = status["worker"]
-    states = (
-        "ingested", "published", "suppressed", "rejected", "redelivered", "conflicts", "expired"
-    )  # fmt: skip
-    family(
-        "splu_records_total", "counter", "Raw records by what became of them.",
-        [({"state": s}, worker.get(s, 0)) for s in states],
-    )  # fmt: skip
+def _delay_family(stream: str, histograms: Mapping[str, Mapping[str, Any]]) -> Metric:
+    """The publish-delay histogram of each partition (`delay_histogram` documents)."""
+    family = HistogramMetricFamily(
+        "splu_publish_delay_seconds",
+        "Time from a record's arrival to its publication.",
+        labels=["stream", "partition"],
+    )
+    for partition, delay in histograms.items():
+        buckets = [(floatToGoString(bound), count) for bound, count in delay["buckets"]]
+        family.add_metric([stream, partition], buckets, float(delay["sum"]))
+    return family
+
+
+def worker_families(document: Mapping[str, Any]) -> Iterable[Metric]:
+    """A worker's families from its document: "stream", "delay_bound" (seconds) and
+    "partitions": {partition: `BufferState.stats` plus "buffer_cap" and "delay" (a
+    `delay_histogram`)} for the partitions it owns now."""
+    stream = document["stream"]
+    partitions = {str(p): numbers for p, numbers in document["partitions"].items()}
+    gauge, counter = GaugeMetricFamily, CounterMetricFamily
+    yield _family(
+        gauge,
+        "splu_worker_partitions",
+        "Partitions of the raw topic this worker owns.",
+        stream,
+        [({}, len(partitions))],
+    )
+    by_state = [
+        ({"partition": p, "state": state}, numbers.get(state, 0))
+        for p, numbers in partitions.items()
+        for state in RECORD_STATES
+    ]
+    yield _family(
+        counter, "splu_records_total", "Raw records by what became of them.", stream, by_state
+    )
     for name, field, help_text in (
         ("splu_buffer_pending", "pending", "Records waiting in Redis for their group."),
-        ("splu_buffer_cap", "buffer_cap", "Pending records per partition before ingest pauses."),
-        ("splu_mixing_pool", "pool", "Records in the mixing pools."),
+        ("splu_mixing_pool", "pool", "Records in the mixing pool."),
+        ("splu_buffer_cap", "buffer_cap", "Waiting and pooled records before ingest pauses."),
         ("splu_in_flight", "in_flight", "Records sent but not yet acknowledged by the broker."),
-        ("splu_redis_memory_bytes", "redis_memory_bytes", "Memory used by the Redis server."),
     ):
-        family(name, "gauge", help_text, [({}, worker.get(field, 0))])
+        samples = [({"partition": p}, numbers.get(field, 0)) for p, numbers in partitions.items()]
+        yield _family(gauge, name, help_text, stream, samples)
+    yield _delay_family(stream, {p: numbers["delay"] for p, numbers in partitions.items()})
+    yield _family(
+        gauge,
+        "splu_publish_delay_bound_seconds",
+        "stream.max_wait plus the slack a stream that fills its mixing pool needs at p99.",
+        stream,
+        [({}, document["delay_bound"])],
+    )
 
-    delay = status["delay"]
-    out.append("# HELP splu_publish_delay_seconds Time from arrival to publication.")
-    out.append("# TYPE splu_publish_delay_seconds histogram")
-    for bound, cumulative in delay["buckets"]:
-        le = bound if bound == "+Inf" else repr(float(bound))
-        out.append(_line("splu_publish_delay_seconds_bucket", {**stream, "le": le}, cumulative))
-    out.append(_line("splu_publish_delay_seconds_sum", stream, float(delay["sum"])))
-    out.append(_line("splu_publish_delay_seconds_count", stream, delay["count"]))
 
-    consumer = status["consumer"]
-    family(
-        "splu_consumer_records", "gauge", "Published records counted once by token.",
-        [({}, consumer["records"])],
-    )  # fmt: skip
-    family("splu_consumer_cells", "gauge", "Distinct published cells.", [({}, consumer["cells"])])
-    family(
-        "splu_consumer_duplicates_total", "counter", "Published records skipped as re-sent copies.",
+def consumer_families(status: Mapping[str, Any]) -> Iterable[Metric]:
+    """The consumer's families from its /status document: the stream as a whole."""
+    stream = status["stream"]
+    consumer, tests, standing = status["consumer"], status["tests"], status["standing"]
+    gauge = GaugeMetricFamily
+    for name, field, help_text in (
+        ("splu_consumer_records", "records", "Published records counted once by token."),
+        ("splu_consumer_cells", "cells", "Distinct published cells."),
+        ("splu_consumer_lag", "lag", "Published records the consumer has not counted yet."),
+    ):
+        yield _family(gauge, name, help_text, stream, [({}, consumer[field])])
+    yield _family(
+        CounterMetricFamily,
+        "splu_consumer_duplicates_total",
+        "Published records skipped as re-sent copies.",
+        stream,
         [({}, consumer["duplicates"])],
-    )  # fmt: skip
-    tests = status["tests"]
-    family(
-        "splu_privacy_test_passed", "gauge", "1 if the privacy test passed at its last run.",
+    )
+    yield _family(
+        gauge,
+        "splu_privacy_test_passed",
+        "1 if the privacy test passed at its last run.",
+        stream,
         [({"test": t["test"]}, int(t["passed"])) for t in tests],
-    )  # fmt: skip
-    family(
-        "splu_privacy_test_value", "gauge", "Key numbers of each privacy test's last run.",
-        [
-            ({"test": t["test"], "number": name}, float(value))
-            for t in tests
-            for name, value in t["numbers"].items()
-        ],
-    )  # fmt: skip
-    family(
-        "splu_publishing_paused", "gauge", "1 while a failed test holds publishing (fail closed).",
+    )
+    yield _family(
+        gauge,
+        "splu_privacy_test_value",
+        "Key numbers of each privacy test's last run.",
+        stream,
+        [({"test": t["test"], "number": k}, v) for t in tests for k, v in t["numbers"].items()],
+    )
+    yield _family(
+        gauge,
+        "splu_publishing_paused",
+        "1 while publishing is paused (a failed test fails closed).",
+        stream,
         [({}, int(bool(status["paused"])))],
-    )  # fmt: skip
-    standing = status["standing"]
-    family(
-        "splu_standing_estimate", "gauge", "Reconstructed count of each standing query.",
+    )
+    yield _family(
+        gauge,
+        "splu_suppressed_max_ratio",
+        "reports.max_suppressed: the suppressed share over which eligibility fails.",
+        stream,
+        [({}, status["max_suppressed"])],
+    )
+    yield _family(
+        gauge,
+        "splu_standing_estimate",
+        "Reconstructed count of each standing query.",
+        stream,
         [({"query": q["name"]}, q["estimate"]) for q in standing],
-    )  # fmt: skip
-    family(
-        "splu_standing_published", "gauge", "Published count of each standing query.",
+    )
+    yield _family(
+        gauge,
+        "splu_standing_published",
+        "Published count of each standing query.",
+        stream,
         [({"query": q["name"]}, q["published"]) for q in standing],
-    )  # fmt: skip
-    return "\n".join(out) + "\n"
+    )
+    yield _family(
+        gauge,
+        "splu_redis_memory_bytes",
+        "Memory used by the Redis server.",
+        stream,
+        [({}, status["worker"]["redis_memory_bytes"])],
+    )
+    yield _family(
+        gauge,
+        "splu_redis_memory_limit_bytes",
+        "Redis's maxmemory, or the host's memory when it sets none.",
+        stream,
+        [({}, status["worker"]["redis_memory_limit_bytes"])],
+    )
+
+
+def render_prometheus(status: Mapping[str, Any]) -> bytes:
+    """The consumer's /metrics: its /status document in the Prometheus text format."""
+    return exposition(status, consumer_families)
+
+
+def render_worker(document: Mapping[str, Any]) -> bytes:
+    """A worker's /metrics (`worker_families`) in the Prometheus text format."""
+    return exposition(document, worker_families)

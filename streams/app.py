@@ -44,11 +44,13 @@ from aiokafka.structs import ConsumerRecord
 from faust.types import TP
 from faust.web import Request, Response, View
 from mode import Service
+from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisClusterException, RedisError
 
 from service.buffer import BufferState, StreamBuffer, connect
 from service.config import StreamConfig
 from service.ingest import PreparedBatch, Preparer, RawMessage, Rejected
+from service.metrics import DELAY_SLACK, delay_histogram, render_worker
 from service.prf import ServiceKey
 from service.schema import Rejection
 from streams.bulk import consume_in_bulk
@@ -244,6 +246,40 @@ def add_health_pages(
             )
 
 
+async def worker_document(buffer: BufferState, partitions: Iterable[int]) -> dict[str, Any]:
+    """What a worker's /metrics shows (`service.metrics.worker_families`): the numbers of
+    the partitions it owns, so the stream's workers together show each partition once."""
+    config = buffer.config
+    numbers = {}
+    for partition in partitions:
+        delay = delay_histogram(await buffer.delays([partition]))
+        stats = await buffer.stats(partition)
+        numbers[partition] = {**stats, "buffer_cap": config.buffer_cap, "delay": delay}
+    return {
+        "stream": config.name,
+        "delay_bound": config.max_wait + DELAY_SLACK,
+        "partitions": numbers,
+    }
+
+
+def add_metrics_page(app: faust.App, raw: faust.TopicT, buffer: BufferState) -> None:
+    """/metrics: `worker_document` for the partitions of `raw` this worker owns now, in the
+    Prometheus text format; 503 while Redis does not answer, which Prometheus counts as the
+    target being down."""
+
+    @app.page("/metrics")
+    class Metrics(View):
+        async def get(self, request: Request) -> Response:
+            try:
+                document = await worker_document(buffer, sorted(assigned_partitions(app, raw)))
+            except TRANSIENT as err:
+                return self.text(f"Redis does not answer ({type(err).__name__})", status=503)
+            # In the headers: aiohttp refuses a content_type argument with a charset.
+            return self.bytes(
+                render_worker(document), headers={"Content-Type": CONTENT_TYPE_LATEST}
+            )
+
+
 def assigned_partitions(app: faust.App, raw: faust.TopicT) -> set[int]:
     """The raw partitions this worker owns now."""
     return {tp.partition for tp in app.consumer.assignment() if tp.topic == raw.get_topic_name()}
@@ -396,7 +432,8 @@ def add_ingest(
 def create_app(
     config: StreamConfig, key: ServiceKey, datadir: Path, web: tuple[str, int] | None = None
 ) -> faust.App:
-    """The worker app for one stream; with `web` (host, port) it serves /healthz and /readyz."""
+    """The worker app for one stream; with `web` (host, port) it serves /healthz, /readyz and
+    /metrics."""
     app = faust_app(config, f"splu-{config.name}", datadir, web=web)
     raw = app.topic(
         config.topics["raw"], partitions=config.partitions, value_serializer="raw",
@@ -416,6 +453,7 @@ def create_app(
 
     add_ingest(app, raw, config, preparer, buffer, publisher)
     add_health_pages(app, raw, client, publisher)
+    add_metrics_page(app, raw, buffer)
 
     @app.timer(interval=EMIT_INTERVAL)
     async def emit() -> None:

@@ -191,12 +191,12 @@ def register(commands: Commands) -> None:
     )  # fmt: skip
     worker.add_argument("--config", required=True, help="the stream's TOML file")
     worker.add_argument(
-        "--host", default="127.0.0.1", help="address of the health pages (default 127.0.0.1)"
+        "--host", default="127.0.0.1", help="address of the pages (default 127.0.0.1)"
     )
     worker.add_argument(
         "--port", type=int,
-        help="serve /healthz (alive) and /readyz (Redis and Kafka answer, partitions assigned) "
-        "on this port (default: no pages)",
+        help="serve /healthz (alive), /readyz (Redis and Kafka answer, partitions assigned) "
+        "and /metrics (Prometheus: the partitions it owns) on this port (default: no pages)",
     )  # fmt: skip
     _add_loglevel(worker)
     worker.set_defaults(run=command_worker)

@@ -37,6 +37,7 @@ import redis.asyncio as aioredis
 from aiokafka.structs import ConsumerRecord
 from faust.types import TP
 from faust.web import Request, Response, View
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from service.buffer import BufferState, connect
 from service.config import StreamConfig
@@ -258,6 +259,7 @@ class Consumer:
         totals = dict.fromkeys(WORKER_COUNTERS, 0) | await self.buffer.totals()
         totals["buffer_cap"] = self.config.buffer_cap
         totals["redis_memory_bytes"] = await self.buffer.memory()
+        totals["redis_memory_limit_bytes"] = await self.buffer.memory_limit()
         return totals, await self.buffer.delays()
 
     async def sample(self) -> None:
@@ -293,6 +295,7 @@ class Consumer:
             "mechanism": self.config.mechanism,
             "time": time.time(),
             "paused": await self.buffer.paused() is not None,
+            "max_suppressed": self.config.reports.max_suppressed,
             "worker": totals,
             "consumer": {
                 # What estimates include; "counted" runs ahead by up to REFRESH_INTERVAL.
@@ -300,6 +303,9 @@ class Consumer:
                 "counted": counted.get("records", 0),
                 "cells": len(cells.counts) if cells is not None else 0,
                 "duplicates": counted.get("duplicates", 0),
+                # Published (acknowledged by the broker) and not counted yet: it grows while
+                # the consumer falls behind the workers, whatever holds it up.
+                "lag": max(totals.get("published", 0) - counted.get("records", 0), 0),
                 "invalid": self.invalid,
             },
             "delay": delay_histogram(delays),
@@ -400,8 +406,9 @@ def create_consumer_app(config: StreamConfig, datadir: Path, host: str, port: in
     @app.page("/metrics")
     class Metrics(View):
         async def get(self, request: Request) -> Response:
-            text = render_prometheus(await consumer.status())
-            return self.text(text, content_type="text/plain; version=0.0.4")
+            body = render_prometheus(await consumer.status())
+            # In the headers: aiohttp refuses a content_type argument with a charset.
+            return self.bytes(body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     @app.page("/estimate")
     class Estimates(View):

@@ -39,6 +39,7 @@ from streams.app import (
     Publisher,
     add_health_pages,
     add_ingest,
+    add_metrics_page,
     assigned_partitions,
     faust_app,
     now_ms,
@@ -72,6 +73,7 @@ def create_windowed_app(
 
     add_ingest(app, raw, config, preparer, buffer, publisher)
     add_health_pages(app, raw, client, publisher)
+    add_metrics_page(app, raw, buffer)
 
     async def publish_window(partition: int, number: int) -> None:
         """Publish (or suppress) closed window `number`: stage, send, finish."""

@@ -53,7 +53,7 @@ def run_worker(
     port: int | None = None,
 ) -> None:
     """Run one worker until it is stopped (SIGTERM or Ctrl-C); it owns some partitions.
-    With a port it serves /healthz and /readyz there."""
+    With a port it serves /healthz, /readyz and /metrics there."""
     key = config.service_key()
     ensure_ready(config)
     # Faust wants a data directory even with in-memory tables; nothing in it outlives us.

@@ -83,8 +83,9 @@ class Harness:
         self.consumer = None
         self.url = f"http://127.0.0.1:{free_port()}"
 
-    def start_worker(self) -> None:
-        self.worker = spawn_worker(self.path, self.env, self.log)
+    def start_worker(self, port: int | None = None) -> None:
+        """With a port, the worker serves /healthz, /readyz and /metrics there."""
+        self.worker = spawn_worker(self.path, self.env, self.log, port=port)
 
     def start_consumer(self) -> None:
         port = int(self.url.rsplit(":", 1)[1])

@@ -4,8 +4,10 @@ The topology runs in the other tests on the embedded servers; this checks what o
 file holds: it parses with the secrets of the README's `.env`, refuses to start without
 them, runs the worker and the consumer as their least-privilege Redis users with exactly
 the rules `service.buffer.acl_rules` gives, keeps Redis's slow log off, and checks the
-worker's and the consumer's health on their /readyz pages. What compose cannot show here
-(a running container turning healthy) is shown by the stream tests on the same pages.
+worker's and the consumer's health on their /readyz pages, and has Prometheus load the
+alert rules and scrape every worker and the consumer where they serve /metrics. What
+compose cannot show here (a running container turning healthy) is shown by the stream
+tests on the same pages.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import yaml
 
 from service.buffer import ROLES, acl_rules
 from service.config import parse_config
@@ -98,3 +101,33 @@ def test_worker_and_consumer_health_checks_ask_readyz_on_the_port_they_serve(ser
         port = command[command.index("--port") + 1]
         check = " ".join(service["healthcheck"]["test"])
         assert f"http://127.0.0.1:{port}/readyz" in check, (name, check)
+
+
+def test_prometheus_loads_the_rules_and_scrapes_the_ports_the_services_serve(services):
+    """prometheus.yml names alerts.yml relative to itself, and compose mounts the two side by
+    side; the worker job finds every replica by the worker service's name, and both jobs
+    scrape the port the service's command serves its pages on, labelled with the stream
+    that the services' config names."""
+    prometheus = services["prometheus"]
+    mounts = {v["target"]: Path(v["source"]) for v in prometheus["volumes"] if v["type"] == "bind"}
+    config_path = mounts["/etc/prometheus/prometheus.yml"]
+    config = yaml.safe_load(config_path.read_text())
+    for rule_file in config["rule_files"]:
+        assert mounts[f"/etc/prometheus/{rule_file}"] == config_path.parent / rule_file
+
+    def port(name: str) -> int:
+        command = services[name]["command"]
+        return int(command[command.index("--port") + 1])
+
+    example = ROOT / "deploy" / "examples" / "adult-decoy.toml"
+    stream = parse_config(tomllib.loads(example.read_text()), example.name, example.parent).name
+    assert all("/config/adult-decoy.toml" in services[s]["command"] for s in ("worker", "consumer"))
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    (workers,) = jobs["splu-worker"]["dns_sd_configs"]
+    assert (workers["names"], workers["type"], workers["port"]) == (["worker"], "A", port("worker"))
+    assert jobs["splu-worker"]["relabel_configs"] == [
+        {"target_label": "stream", "replacement": stream}
+    ]
+    assert jobs["splu-consumer"]["static_configs"] == [
+        {"targets": [f"consumer:{port('consumer')}"], "labels": {"stream": stream}}
+    ]
