@@ -203,11 +203,15 @@ class Manifest:
     def changes(self, other: Manifest) -> list[str]:
         """What differs from `other`, one line per field: "parameters.gamma: 5 → 6"."""
         mine, theirs = _flat(self.document), _flat(other.document)
-        return [
+        changed = [
             f"{path}: {_shown(mine.get(path))} → {_shown(theirs.get(path))}"
             for path in sorted(mine.keys() | theirs.keys())
             if mine.get(path) != theirs.get(path)
         ]
+        if not changed and self.digest != other.digest:
+            # Attributes are compared by name above; only their order is left.
+            return ["schema: the order of the attributes"]
+        return changed
 
     def reconstruction(self, cells: PublishedCells, confidence: float = 0.95) -> Reconstruction:
         """The reconstruction the stream's consumer builds over the same cells."""

@@ -128,6 +128,12 @@ def test_a_changed_parameter_is_named_and_a_tampered_manifest_refused(tmp_path, 
     six = Manifest.of_config(load_config(example("adult-decoy.toml", tmp_path, decoy={"gamma": 6})))
     assert five.digest != six.digest
     assert five.changes(six) == ["parameters.gamma: 5 → 6"]
+    document = tomllib.loads((EXAMPLES / "adult-decoy.toml").read_text())
+    public = document["schema"]["public"]
+    document["schema"]["public"] = dict(reversed(public.items()))
+    (tmp_path / "reordered.toml").write_text(tomli_w.dumps(document))
+    reordered = Manifest.of_config(load_config(tmp_path / "reordered.toml"))
+    assert five.changes(reordered) == ["schema: the order of the attributes"]
     tampered = json.loads(five.to_json())
     tampered["parameters"]["gamma"] = 6
     with pytest.raises(ManifestError, match="digest"):
