@@ -16,6 +16,7 @@ from pathlib import Path
 from service import cli
 from service.commands.common import FORMATTER, CommandError, Commands
 from service.config import load_config
+from service.manifest import Publication
 from service.publication import MECHANISMS, log, open_input
 
 
@@ -247,11 +248,19 @@ def register(commands: Commands) -> None:
     produce.set_defaults(run=command_produce)
 
 
+def read_topic(stream: str, bootstrap: str, confidence: float) -> Publication:
+    """`splu query --topic`'s reader, which the batch command cannot import (layers)."""
+    from streams.reader import read_publication
+
+    return read_publication(stream, bootstrap, confidence)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every ``splu`` command: the stream's first, as ``splu --help`` lists them."""
     parser, commands = cli.new_parser()
     register(commands)
     cli.register(commands)
+    commands.choices["query"].set_defaults(read_topic=read_topic)
     return parser
 
 

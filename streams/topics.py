@@ -17,6 +17,10 @@ T = TypeVar("T")
 REPLICATION = 3
 
 
+# How a stream's process is pointed at another broker.
+CONFIG_HINT = "set KAFKA_BOOTSTRAP or [kafka] bootstrap in the stream's config"
+
+
 class BrokerUnreachableError(ConnectionError):
     """No Kafka broker answers at a stream's bootstrap address."""
 
@@ -25,8 +29,13 @@ class TopicMismatchError(ValueError):
     """A stream's topic exists with another partition count than its config names."""
 
 
-async def create_topics(bootstrap: str, topics: Mapping[str, int]) -> None:
-    """Create the missing topics with the given partition counts; check those that exist.
+async def create_topics(
+    bootstrap: str,
+    topics: Mapping[str, int],
+    configs: Mapping[str, Mapping[str, str]] | None = None,
+) -> None:
+    """Create the missing topics with the given partition counts (and `configs`, topic
+    settings by topic name); check the partition counts of those that exist.
 
     Topics are created explicitly because tansu, and Kafka with auto-creation on, silently
     create a topic with a default partition count (4 for tansu) the first time a client asks
@@ -34,19 +43,9 @@ async def create_topics(bootstrap: str, topics: Mapping[str, int]) -> None:
     Redis keys are tagged, so an existing topic with another count raises ValueError instead
     of being used. A topic created by someone else meanwhile is fine (idempotent).
     """
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = await _admin(bootstrap)
     try:
-        try:
-            # Our one line says it; aiokafka would log each failed connection as well.
-            with _silenced("aiokafka"):
-                await admin.start()
-        except kafka_errors.KafkaConnectionError:
-            raise BrokerUnreachableError(
-                f"no Kafka broker answers at {bootstrap}: start one (`splu up` runs an embedded "
-                "one) or set KAFKA_BOOTSTRAP or [kafka] bootstrap in the stream's config"
-            ) from None
-        # All topics: asking for named ones would auto-create them on tansu.
-        existing = {t["topic"]: len(t["partitions"]) for t in await admin.describe_topics()}
+        existing = await _partition_counts(admin)
         wrong = {
             name: existing[name]
             for name, partitions in topics.items()
@@ -61,7 +60,11 @@ async def create_topics(bootstrap: str, topics: Mapping[str, int]) -> None:
             )
         brokers = len((await admin.describe_cluster())["brokers"])
         replicas = min(REPLICATION, brokers)
-        missing = [NewTopic(n, p, replicas) for n, p in topics.items() if n not in existing]
+        missing = [
+            NewTopic(n, p, replicas, topic_configs=dict((configs or {}).get(n, {})))
+            for n, p in topics.items()
+            if n not in existing
+        ]
         if not missing:
             return
         response = await admin.create_topics(missing)
@@ -71,6 +74,37 @@ async def create_topics(bootstrap: str, topics: Mapping[str, int]) -> None:
         error = kafka_errors.for_code(result["error_code"])
         if error not in (kafka_errors.NoError, kafka_errors.TopicAlreadyExistsError):
             raise error(f"creating topic {result['topic']}: {result['error_message']}")
+
+
+async def existing_topics(bootstrap: str, hint: str = CONFIG_HINT) -> dict[str, int]:
+    """Every topic at `bootstrap` with its partition count; `hint` ends the error if no
+    broker answers."""
+    admin = await _admin(bootstrap, hint)
+    try:
+        return await _partition_counts(admin)
+    finally:
+        await admin.close()
+
+
+async def _admin(bootstrap: str, hint: str = CONFIG_HINT) -> AIOKafkaAdminClient:
+    """A started admin client, or BrokerUnreachableError ending with `hint`."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    try:
+        # Our one line says it; aiokafka would log each failed connection as well.
+        with _silenced("aiokafka"):
+            await admin.start()
+    except kafka_errors.KafkaConnectionError:
+        await admin.close()
+        raise BrokerUnreachableError(
+            f"no Kafka broker answers at {bootstrap}: start one (`splu up` runs an embedded "
+            f"one) or {hint}"
+        ) from None
+    return admin
+
+
+async def _partition_counts(admin: AIOKafkaAdminClient) -> dict[str, int]:
+    # All topics: asking for named ones would auto-create them on tansu.
+    return {t["topic"]: len(t["partitions"]) for t in await admin.describe_topics()}
 
 
 @contextmanager

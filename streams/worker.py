@@ -13,6 +13,7 @@ from service.config import StreamConfig
 from service.running_counts import RunningCounts
 from streams.app import create_app
 from streams.consumer import create_consumer_app
+from streams.manifest import check_manifest, claim_manifest, manifest_topics
 from streams.topics import BrokerUnreachableError, create_topics, run_in_thread
 from streams.windowed import create_windowed_app
 
@@ -21,13 +22,19 @@ STARTUP_PATIENCE = 5.0
 
 
 def ensure_ready(config: StreamConfig) -> None:
-    """Create the stream's four topics with its partition count, if missing, and check that
-    Redis answers the stream's user: errors here are one line, not a retry loop. A server
-    that is restarting gets STARTUP_PATIENCE seconds to come back; a refusal fails at once."""
+    """Create the stream's four topics with its partition count and its manifest topic, if
+    missing, and check that Redis answers the stream's user: errors here are one line, not a
+    retry loop. A server that is restarting gets STARTUP_PATIENCE seconds to come back; a
+    refusal fails at once."""
+    manifest, settings = manifest_topics(config)
     deadline = time.monotonic() + STARTUP_PATIENCE
     while True:
         try:
-            run_in_thread(create_topics(config.kafka_bootstrap, config.topic_partitions))
+            run_in_thread(
+                create_topics(
+                    config.kafka_bootstrap, {**config.topic_partitions, **manifest}, settings
+                )
+            )
             run_in_thread(check_redis(config))
             return
         except RedisRefusedError:
@@ -56,6 +63,8 @@ def run_worker(
     With a port it serves /healthz, /readyz and /metrics there."""
     key = config.service_key()
     ensure_ready(config)
+    # Before the app starts: a refused worker has consumed and published nothing.
+    run_in_thread(claim_manifest(config))
     # Faust wants a data directory even with in-memory tables; nothing in it outlives us.
     with tempfile.TemporaryDirectory(prefix=f"splu-{config.name}-") as datadir:
         build = create_windowed_app if config.mechanism == "windowed" else create_app
@@ -66,6 +75,7 @@ def run_worker(
 def run_consumer(config: StreamConfig, host: str, port: int, loglevel: str = "warning") -> None:
     """Run the stream's consumer and its web pages until it is stopped."""
     ensure_ready(config)
+    run_in_thread(check_manifest(config))
     run_in_thread(refuse_legacy_counts(config))
     with tempfile.TemporaryDirectory(prefix=f"splu-{config.name}-consumer-") as datadir:
         app = create_consumer_app(config, Path(datadir), host, port)

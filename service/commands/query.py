@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-from collections.abc import Collection, Mapping
+import os
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 from service.client import ConsumerError, ask
@@ -21,6 +22,7 @@ from service.commands.common import (
     report_rejections,
     write_atomically,
 )
+from service.config import load_config
 from service.mechanisms.laplace import LaplaceCounts
 from service.mechanisms.laplace import _canonical as laplace_query_key
 from service.prf import ServiceKey
@@ -39,6 +41,9 @@ from service.publication import (
 )
 from service.reconstruct import PublishedCells, Query, QueryError, Reconstruction
 from service.table import read_rows
+
+# Where `splu query --topic` finds Kafka without --bootstrap, as every stream command does.
+BOOTSTRAP_ENV = "KAFKA_BOOTSTRAP"
 
 
 def _read_queries(
@@ -76,35 +81,76 @@ def _read_queries(
     return objects, parsed
 
 
-def _query_service(args: argparse.Namespace) -> int:
-    if args.mechanism not in MECHANISMS:
-        raise CommandError(
-            f"--mechanism {args.mechanism} runs in batch only: query its files with --published"
-        )
+def _refuse_options(args: argparse.Namespace, source: str) -> None:
+    """Mechanism options do not apply when the stream itself says how it was published."""
     options = [o for options in MECHANISM_OPTIONS.values() for o in options]
     given = [o for o in dict.fromkeys(["sensitive", *options, "clip", "quasi", "bin", "schema",
              "seed"]) if getattr(args, o, None) is not None]  # fmt: skip
     if given:
         flag = flag_of(given[0])
-        raise CommandError(f"{flag} does not apply with --url: the stream's config decides")
+        raise CommandError(f"{flag} does not apply with {source}")
+
+
+def _query_lines(path: str) -> list[Any]:
+    """Every non-blank line's JSON, or a `_BadLine` where it is not JSON."""
     lines: list[Any] = []
-    with open_input(args.queries) as stream:
+    with open_input(path) as stream:
         for number, line in enumerate(stream, start=1):
             if line.strip():
                 try:
                     lines.append(json.loads(line))
                 except json.JSONDecodeError as err:
                     lines.append(_BadLine(number, f"not valid JSON: {err.msg}"))
+    return lines
+
+
+def _merged(lines: list[Any], answers: Iterator[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The answers to the valid lines, in order, with an error for each bad line."""
+    return [
+        {"line": obj.number, "error": obj.error} if isinstance(obj, _BadLine) else next(answers)
+        for obj in lines
+    ]
+
+
+def _query_service(args: argparse.Namespace) -> int:
+    if args.mechanism not in MECHANISMS:
+        raise CommandError(
+            f"--mechanism {args.mechanism} runs in batch only: query its files with --published"
+        )
+    _refuse_options(args, "--url: the stream's config decides")
+    lines = _query_lines(args.queries)
     asked = [obj for obj in lines if not isinstance(obj, _BadLine)]
     try:
         answers = iter(ask(args.url, asked))
     except ConsumerError as err:
         raise CommandError(str(err)) from None
-    results = [
-        {"line": obj.number, "error": obj.error} if isinstance(obj, _BadLine) else next(answers)
-        for obj in lines
-    ]
-    return _write_answers(args, results, f"from {args.url}")
+    return _write_answers(args, _merged(lines, answers), f"from {args.url}")
+
+
+def _query_topic(args: argparse.Namespace) -> int:
+    """Answers from a stream's manifest and published topic, read by `args.read_topic`
+    (the `splu` entry point's Kafka reader, `streams.reader`)."""
+    _refuse_options(args, "--topic: the stream's manifest decides")
+    if args.read_topic is None:
+        raise CommandError("--topic reads Kafka: run it as `splu query`")
+    bootstrap = args.bootstrap or os.environ.get(BOOTSTRAP_ENV)
+    if not bootstrap and args.config is not None:
+        bootstrap = load_config(args.config).kafka_bootstrap
+    if not bootstrap:
+        raise CommandError(
+            f"--topic: give --bootstrap HOST:PORT, set {BOOTSTRAP_ENV} or name the stream's "
+            "--config"
+        )
+    # The stream's name, also when given as its published topic.
+    stream = args.topic.removesuffix(".published")
+    lines = _query_lines(args.queries)
+    publication = args.read_topic(stream, bootstrap, args.confidence)
+    answers = iter(publication.answer([obj for obj in lines if not isinstance(obj, _BadLine)]))
+    source = (
+        f"from {stream} at {bootstrap} ({publication.records:,} published records, "
+        f"{publication.manifest.mechanism})"
+    )
+    return _write_answers(args, _merged(lines, answers), source)
 
 
 class _BadLine:
@@ -170,11 +216,16 @@ def _check_published_columns(published: str, quasi: list[str]) -> None:
 
 
 def command_query(args: argparse.Namespace) -> int:
-    if sum(source is not None for source in (args.published, args.url, args.input)) != 1:
+    if sum(s is not None for s in (args.published, args.url, args.topic, args.input)) != 1:
         raise CommandError(
-            "give --published FILE (a batch publication) or --url URL (a running consumer); "
-            "--mechanism laplace takes --input RAW.csv instead"
+            "give --published FILE (a batch publication), --url URL (a running consumer) or "
+            "--topic STREAM (a stream's topics); --mechanism laplace takes --input RAW.csv instead"
         )
+    if args.topic is not None:
+        return _query_topic(args)
+    given = [f for f, v in (("--bootstrap", args.bootstrap), ("--config", args.config)) if v]
+    if given:
+        raise CommandError(f"{given[0]} applies to --topic only")
     if args.url is not None:
         return _query_service(args)
     chosen = args.mechanism
@@ -247,6 +298,7 @@ def register(commands: Commands) -> None:
             "  splu query --published published.csv --mechanism decoy --gamma 5 \\\n"
             "      --sensitive occupation --queries q.jsonl --output answers.jsonl\n"
             "  splu query --url http://127.0.0.1:6066 --queries q.jsonl --output -\n"
+            "  splu query --topic adult --bootstrap kafka:9092 --queries q.jsonl --output -\n"
             "  splu query --published sdr.csv --mechanism sdr --queries q.jsonl --output a.jsonl\n"
             "  splu query --mechanism laplace --input adult.csv --epsilon 0.05 \\\n"
             "      --sensitive occupation --quasi age,sex --queries q.jsonl --output a.jsonl\n\n"
@@ -272,6 +324,13 @@ def register(commands: Commands) -> None:
         "its stream's config decides mechanism and options",
     )
     source.add_argument(
+        "--topic",
+        metavar="STREAM",
+        help="instead, read a stream's manifest and published records from Kafka (STREAM: "
+        "its name, e.g. adult, or adult.published): the stream consumer's answers, with no "
+        "config file, key or Redis",
+    )
+    source.add_argument(
         "--input",
         metavar="RAW.csv",
         help="laplace: the raw data (trusted side), with --sensitive and --quasi as for publish",
@@ -281,6 +340,13 @@ def register(commands: Commands) -> None:
         action="append",
         metavar="COL",
         help="the randomized column(s) of the published file (laplace: of the raw data)",
+    )
+    query.add_argument(
+        "--bootstrap", metavar="HOST:PORT",
+        help=f"--topic: the Kafka bootstrap (default: {BOOTSTRAP_ENV}, else --config's)",
+    )  # fmt: skip
+    query.add_argument(
+        "--config", metavar="FILE", help="--topic: take the bootstrap from this stream config"
     )
     query.add_argument("--queries", required=True, help="JSONL file of queries (- for stdin)")
     query.add_argument("--output", required=True, help="JSONL answers (- for stdout)")
@@ -322,4 +388,6 @@ def register(commands: Commands) -> None:
         help="laplace: derive the noise from this seed (experiments only: anyone with the "
         "seed can remove it; default: a fresh random key); otherwise accepted and unused",
     )
-    query.set_defaults(run=command_query)
+    # `read_topic(stream, bootstrap, confidence)` -> `service.manifest.Publication`: Kafka
+    # lives above this layer, so the `splu` entry point supplies it (`streams/cli.py`).
+    query.set_defaults(run=command_query, read_topic=None)
