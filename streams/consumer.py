@@ -192,7 +192,12 @@ class Consumer:
             shown = obj if isinstance(obj, dict) else {"query": obj}
             results.append(dict(shown))
             if self.reconstruction is None:
-                results[-1]["error"] = "no published records have been counted yet"
+                results[-1]["error"] = (
+                    f"{self.windows.held:,} published rows are counted, but no sub-table, group "
+                    "or bucket is whole yet (its side messages or rows are still to come)"
+                    if self.windows is not None and self.windows.held
+                    else "no published records have been counted yet"
+                )
                 continue
             try:
                 query = Query.from_json(obj)

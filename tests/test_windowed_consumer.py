@@ -164,11 +164,17 @@ def run_stream(servers, directory: Path, mechanism: str) -> Run:
             return status if whole and consumer["counted"] == totals["published"] else None
 
         wait_for(counted, "the consumer to count every message")
+        whole = time.time()
         queries = queries_for(config, seed=len(mechanism))
         answers = client.ask(harness.url, queries)
-        # A report round after the last count: standing queries and tests on every window.
-        time.sleep(config.report_interval + 0.5)
-        status = client.status(harness.url)
+
+        def reported() -> dict | None:
+            """A status after a report round on every window (standing queries, tests)."""
+            status = client.status(harness.url)
+            times = [t["time"] for t in status["tests"] + status["not_applicable"]]
+            return status if times and min(times) > whole else None
+
+        status = wait_for(reported, "a report round on the whole stream")
 
         harness.consumer.kill()
         harness.start_consumer()
