@@ -304,9 +304,9 @@ def windowed_tests(
     results = []
     if windows is not None and windows.units:
         if mechanism == "sdr":
-            results.append(posterior_bound(config, windows))
+            results.append(posterior_bound(windows))
         elif mechanism == "anatomy":
-            results.append(diversity(config, windows))
+            results.append(diversity(windows))
     return results, skipped
 
 
@@ -314,12 +314,11 @@ def _windows(units: tuple[str, ...]) -> int:
     return len({unit.rpartition("-")[0] for unit in units})
 
 
-def posterior_bound(config: StreamConfig, windows: PublishedWindows) -> TestResult:
+def posterior_bound(windows: PublishedWindows) -> TestResult:
     """SDR: in every published sub-table, a protected value (prior ≤ ρ_1i there) has a
     posterior of at most γ_i·ρ_1i/(γ_i·ρ_1i + 1 − ρ_1i) (amplification γ_i), which must
     not exceed ρ2 (seed 002 Cor. 1); exact, from the public ρ_1i and γ_i."""
-    assert config.windowed is not None
-    rho2 = Fraction(config.windowed.options["rho2"])
+    rho2 = Fraction(windows.settings.options["rho2"])
     posteriors = [s.gamma * s.rho1 / (s.gamma * s.rho1 + 1 - s.rho1) for s in windows.subtables]
     over = sum(p > rho2 for p in posteriors)
     numbers = {
@@ -334,11 +333,10 @@ def posterior_bound(config: StreamConfig, windows: PublishedWindows) -> TestResu
     return TestResult("guarantees", over == 0, numbers)
 
 
-def diversity(config: StreamConfig, windows: PublishedWindows) -> TestResult:
+def diversity(windows: PublishedWindows) -> TestResult:
     """Anatomy: an adversary links a record to its QI-group's values only, so believes any
     one with c_g(s)/|g|; every group must keep that at 1/ℓ at most (ℓ-diversity)."""
-    assert config.windowed is not None
-    ell = int(config.windowed.options["gamma"])
+    ell = int(windows.settings.options["gamma"])
     sizes = np.bincount(windows.st_unit, weights=windows.st_count, minlength=len(windows.units))
     largest = np.zeros(len(windows.units))
     np.maximum.at(largest, windows.st_unit, windows.st_count)

@@ -36,7 +36,7 @@ import numpy as np
 import redis.asyncio as aioredis
 
 from service.buffer import Replication, lua_script
-from service.config import StreamConfig
+from service.config import StreamConfig, WindowedSettings
 from service.mechanisms.anatomy import AnatomyReconstruction, AnatomyRelease
 from service.mechanisms.dbr import DBRReconstruction
 from service.mechanisms.fprivacy import BucketPublication, FPrivacyReconstruction
@@ -134,10 +134,8 @@ class WindowCodec:
     "{", which no row's key does.
     """
 
-    def __init__(self, config: StreamConfig) -> None:
-        assert config.windowed is not None, "a windowed stream has a [windowed] table"
-        schema, mechanism = config.schema, config.windowed.mechanism
-        self.schema = schema
+    def __init__(self, schema: Schema, settings: WindowedSettings) -> None:
+        mechanism = settings.mechanism
         self.mechanism = mechanism
         self.unit = EXTRA_COLUMN.get(mechanism)
         codes = {a.name: {label: i for i, label in enumerate(a.domain)} for a in schema.attributes}
@@ -227,7 +225,8 @@ class PublishedWindows:
     unit, then value, as each window's own ST is.
     """
 
-    config: StreamConfig
+    schema: Schema
+    settings: WindowedSettings
     units: tuple[str, ...]  # labels of the units counted whole, in order
     public: np.ndarray  # (cells, public attributes) codes
     sensitive: np.ndarray  # (cells, sensitive attributes) codes; none in a QIT row
@@ -246,17 +245,20 @@ class PublishedWindows:
         return int(self.counts.sum())
 
     @classmethod
-    def from_messages(cls, config: StreamConfig, messages: Iterable[bytes]) -> PublishedWindows:
-        """From published message values, each once (deduplicated by token)."""
-        codec = WindowCodec(config)
-        return cls.from_tally(config, Counter(codec.key_of(m) for m in messages))
+    def from_messages(
+        cls, schema: Schema, settings: WindowedSettings, messages: Iterable[bytes]
+    ) -> PublishedWindows:
+        """From published message values, each once (deduplicated by token); the schema
+        and settings are a stream config's, or a reader's from the stream's manifest."""
+        codec = WindowCodec(schema, settings)
+        return cls.from_tally(schema, settings, Counter(codec.key_of(m) for m in messages))
 
     @classmethod
-    def from_tally(cls, config: StreamConfig, tally: Mapping[bytes, int]) -> PublishedWindows:
+    def from_tally(
+        cls, schema: Schema, settings: WindowedSettings, tally: Mapping[bytes, int]
+    ) -> PublishedWindows:
         """From the consumer's counts of `WindowCodec` cells."""
-        assert config.windowed is not None, "a windowed stream has a [windowed] table"
-        mechanism = config.windowed.mechanism
-        schema = config.schema
+        mechanism = settings.mechanism
         # Each side message is distinct; a repeat under another token would be a window
         # published twice, whose rows then outnumber its side data and hold it out.
         side = [json.loads(key) for key in tally if key.startswith(b"{")]
@@ -275,7 +277,7 @@ class PublishedWindows:
                 declared[message[unit_column]] += message[size]
             if mechanism == "fprivacy":
                 # Each bucket's ST lists σ fake values, with a count of 1 each.
-                sigma = config.windowed.options["fake_values"]
+                sigma = settings.options["fake_values"]
                 declared = Counter({u: n - sigma for u, n in declared.items()})
             units = sorted((u for u, n in declared.items() if counted[u] == n), key=_unit_order)
             whole = set(units)
@@ -310,7 +312,8 @@ class PublishedWindows:
         st.sort()
         st_columns = np.array(st, dtype=np.int64).reshape(len(st), 3).T
         return cls(
-            config=config,
+            schema=schema,
+            settings=settings,
             units=tuple(units),
             public=codes(0, len(schema.public)),
             sensitive=codes(1, width),
@@ -325,7 +328,7 @@ class PublishedWindows:
     def _columns(self) -> tuple[list[str], list[np.ndarray], dict[str, tuple[str, ...]]]:
         """The published columns of the whole units, as cells: names, codes, domains (the
         unit column holds unit numbers)."""
-        schema = self.config.schema
+        schema = self.schema
         public = [a.name for a in schema.public]
         sensitive = [a.name for a in schema.sensitive][: self.sensitive.shape[1]]
         names = [*public, *sensitive]
@@ -340,15 +343,12 @@ class PublishedWindows:
 
     @property
     def mechanism(self) -> str:
-        assert self.config.windowed is not None
-        return self.config.windowed.mechanism
+        return self.settings.mechanism
 
     def estimator(self, confidence: float = 0.95) -> Answers:
         """The estimator `splu query` builds from `write`'s files (`load_batch`), with its
         defaults: the given confidence, no clipping."""
-        schema, mechanism = self.config.schema, self.mechanism
-        settings = self.config.windowed
-        assert settings is not None
+        schema, mechanism, settings = self.schema, self.mechanism, self.settings
         sensitive = schema.sensitive[0]
         if mechanism in BUCKETED:
             rows = np.repeat(np.arange(len(self.counts)), self.counts)
@@ -386,9 +386,7 @@ class PublishedWindows:
         """The whole units as one batch publication, the files `splu publish --mechanism
         <the stream's>` writes (OUT.csv, OUT.st.csv, OUT.params.json), units numbered as
         here, for `splu query --published OUT.csv`."""
-        settings = self.config.windowed
-        assert settings is not None
-        schema = self.config.schema
+        schema, settings = self.schema, self.settings
         names, columns, domains = self._columns()
         rows = np.repeat(np.arange(len(self.counts)), self.counts)
         unit_column = EXTRA_COLUMN.get(self.mechanism)
@@ -441,7 +439,9 @@ class RunningCounts:
         self.partitions = config.partitions
         self.name = config.name
         self.codec: CellCodec | WindowCodec = (
-            WindowCodec(config) if config.windowed is not None else CellCodec(config.schema)
+            CellCodec(config.schema)
+            if config.windowed is None
+            else WindowCodec(config.schema, config.windowed)
         )
         self.replication = Replication(client, config)
         self._count = client.register_script(lua_script("fingerprints", "count"))

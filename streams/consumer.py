@@ -177,7 +177,7 @@ class Consumer:
     ) -> tuple[Answers | None, PublishedWindows | None, int]:
         """The estimator of the counts, a windowed stream's windows, and the rows included."""
         if self.config.windowed is not None:
-            windows = PublishedWindows.from_tally(self.config, tally)
+            windows = PublishedWindows.from_tally(self.config.schema, self.config.windowed, tally)
             return (windows.estimator() if windows.rows else None), windows, windows.rows
         assert isinstance(self.counts.codec, CellCodec)
         cells = self.counts.codec.cells(tally)

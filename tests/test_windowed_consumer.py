@@ -41,6 +41,7 @@ from service.privacy_tests import guarantee_curve, windowed_tests
 from service.publication import EXTRA_COLUMN
 from service.reconstruct import Query
 from service.running_counts import PublishedRecordError, PublishedWindows, WindowCodec
+from service.schema import Schema
 from service.windowed import KIND, WindowState, render_window
 from streams.bulk import EXIT_FAULT, FAULT_EXIT_BEFORE_COMMIT
 from streams.produce import produce
@@ -57,12 +58,12 @@ TIMEOUT = 150.0
 TESTS = ("eligibility", "guarantees", "budget", "adversary", "dp_audit")
 
 
-def queries_for(config: StreamConfig, seed: int) -> list[dict]:
+def queries_for(schema: Schema, seed: int) -> list[dict]:
     """Sensitive-only, public-only and conjunctive queries, some with lists of values, and
     one asking for a value outside the domain."""
     rng = random.Random(seed)
-    public = config.schema.public
-    sensitive = config.schema.sensitive[0]
+    public = schema.public
+    sensitive = schema.sensitive[0]
     queries: list[dict] = [{"value": {sensitive.name: v}} for v in sensitive.domain]
     queries.append({"where": {public[0].name: list(public[0].domain[:2])}})
     queries.append({"where": {"sex": "Male"}, "value": {sensitive.name: "Astronaut"}})
@@ -165,7 +166,7 @@ def run_stream(servers, directory: Path, mechanism: str) -> Run:
 
         wait_for(counted, "the consumer to count every message")
         whole = time.time()
-        queries = queries_for(config, seed=len(mechanism))
+        queries = queries_for(config.schema, seed=len(mechanism))
         answers = client.ask(harness.url, queries)
 
         def reported() -> dict | None:
@@ -213,7 +214,9 @@ def runs(servers, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
 
 def batch_answers(run: Run, directory: Path) -> list[dict]:
     """`splu query` on the run's published messages, written as one batch publication."""
-    windows = PublishedWindows.from_messages(run.harness.config, run.messages.values())
+    config = run.harness.config
+    assert config.windowed is not None
+    windows = PublishedWindows.from_messages(config.schema, config.windowed, run.messages.values())
     assert windows.held == 0 and windows.rows == run.totals["published"]
     published = directory / "published.csv"
     windows.write(str(published))
@@ -323,14 +326,12 @@ def one_window(mechanism: str, **options: object) -> tuple[StreamConfig, list[by
 
 def same_as_splu_query(windows: PublishedWindows, directory: Path) -> None:
     """The estimator answers as `splu query` does on the batch files `write` makes."""
-    config = windows.config
-    assert config.windowed is not None
-    queries = queries_for(config, seed=1)[:30]
+    queries = queries_for(windows.schema, seed=1)[:30]
     published, answers = directory / "p.csv", directory / "a.jsonl"
     windows.write(str(published))
     (directory / "q.jsonl").write_text("".join(json.dumps(q) + "\n" for q in queries))
     main([
-        "query", "--published", str(published), "--mechanism", config.windowed.mechanism,
+        "query", "--published", str(published), "--mechanism", windows.mechanism,
         "--queries", str(directory / "q.jsonl"), "--output", str(answers),
     ])  # fmt: skip
     batch = [json.loads(line) for line in answers.read_text().splitlines()]
@@ -345,16 +346,16 @@ def same_as_splu_query(windows: PublishedWindows, directory: Path) -> None:
 def test_a_unit_enters_the_estimates_once_counted_whole(tmp_path, mechanism):
     config, rows, side = one_window(mechanism)
     unit = EXTRA_COLUMN[mechanism]
-    whole = PublishedWindows.from_messages(config, [*rows, *side])
+    whole = PublishedWindows.from_messages(config.schema, config.windowed, [*rows, *side])
     assert (whole.held, whole.rows, whole.side) == (0, len(rows), len(side))
     members = Counter(json.loads(row)[unit] for row in rows)
     assert list(whole.units) == sorted(members, key=lambda label: int(label.split("-")[2]))
     # Without one of its side messages, or one of its rows, a unit is held out.
     missing = json.loads(side[0])[unit]
-    no_side = PublishedWindows.from_messages(config, [*rows, *side[1:]])
+    no_side = PublishedWindows.from_messages(config.schema, config.windowed, [*rows, *side[1:]])
     assert missing not in no_side.units and no_side.held == members[missing]
     short = json.loads(rows[0])[unit]
-    no_row = PublishedWindows.from_messages(config, [*rows[1:], *side])
+    no_row = PublishedWindows.from_messages(config.schema, config.windowed, [*rows[1:], *side])
     assert short not in no_row.units and no_row.held == members[short] - 1
     assert no_row.rows == len(rows) - members[short]
     same_as_splu_query(no_side, tmp_path)
@@ -364,7 +365,7 @@ def test_fprivacy_buckets_are_whole_at_their_st_sum_less_the_fake_values(tmp_pat
     config, rows, side = one_window(
         "fprivacy", fake_values=1, theta="1/1000000", beta="1/5", max_size=5
     )
-    windows = PublishedWindows.from_messages(config, [*rows, *side])
+    windows = PublishedWindows.from_messages(config.schema, config.windowed, [*rows, *side])
     assert windows.held == 0 and windows.rows == len(rows)
     assert len(side) == len(rows) + len(windows.units)  # distinct values, one fake each
     same_as_splu_query(windows, tmp_path)
@@ -372,7 +373,7 @@ def test_fprivacy_buckets_are_whole_at_their_st_sum_less_the_fake_values(tmp_pat
 
 def test_the_codec_refuses_messages_of_another_mechanism_or_schema():
     config, rows, side = one_window("anatomy")
-    codec = WindowCodec(config)
+    codec = WindowCodec(config.schema, config.windowed)
     row, st = json.loads(rows[0]), json.loads(side[0])
     for bad in (
         b"[1]", b"not json",
@@ -386,7 +387,9 @@ def test_the_codec_refuses_messages_of_another_mechanism_or_schema():
         with pytest.raises(PublishedRecordError):
             codec.key_of(bad)
     assert codec.key_of(side[0]) == side[0]
-    dbr = WindowCodec(windowed_config(mechanism="dbr"))
+    dbr_config = windowed_config(mechanism="dbr")
+    assert dbr_config.windowed is not None
+    dbr = WindowCodec(dbr_config.schema, dbr_config.windowed)
     with pytest.raises(PublishedRecordError, match="side message of kind 'st'"):
         dbr.key_of(side[0])
 
