@@ -71,7 +71,10 @@ digits); consumers drop a token seen before. The value is one JSON object:
 
 Group, bucket and sub-table ids carry the partition and window number so they are
 unique in the stream; nothing else leaves: no record ids, no arrival times, no
-source positions.
+source positions. The consumer counts rows and side messages alike, by token, and
+answers from every sub-table, group or bucket it holds whole
+(`service.running_counts.PublishedWindows`), as `splu query` does on those windows
+written as one batch publication.
 
 Failure handling. Offsets are committed only after the ingest call returned
 (`streams/bulk.py`); a replay is absorbed by the dedup keys. A crash

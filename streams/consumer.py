@@ -6,7 +6,11 @@ One Faust app per stream, in its own consumer group on ``<stream>.published``:
   token, into cells kept in Redis (`service.running_counts`); offsets are committed only
   after Redis has the batch, so counts survive any restart.
 - ``refresh`` (timer) rebuilds the in-memory reconstruction when the counts
-  changed; queries never scan rows, only the distinct cells.
+  changed; queries never scan rows, only the distinct cells. A windowed stream's
+  side messages (ST rows, sub-tables) are counted beside its rows, and its estimator is
+  the one `splu query` builds from the same rows and side messages
+  (`service.running_counts.PublishedWindows`): over every sub-table, group or bucket
+  counted whole, i.e. the sum of the per-window reconstructions.
 - ``report`` (timer, ``stream.report_interval``) runs the privacy tests
   (`service.privacy_tests`), answers the standing queries, publishes both to
   ``<stream>.reports``, logs failures and, for tests configured to fail
@@ -43,6 +47,7 @@ from service.buffer import BufferState, connect
 from service.config import StreamConfig
 from service.metrics import delay_histogram, difference, histogram_quantile, render_prometheus
 from service.privacy_tests import (
+    NotApplicable,
     TestResult,
     adversary,
     budget,
@@ -50,9 +55,17 @@ from service.privacy_tests import (
     eligibility,
     guarantee_curve,
     guarantees,
+    windowed_tests,
 )
+from service.publication import Answers
 from service.reconstruct import Estimate, Query, QueryError, Reconstruction
-from service.running_counts import PublishedRecordError, RunningCounts, stream_reconstruction
+from service.running_counts import (
+    CellCodec,
+    PublishedRecordError,
+    PublishedWindows,
+    RunningCounts,
+    stream_reconstruction,
+)
 from streams.app import (
     TRANSIENT,
     Publisher,
@@ -74,6 +87,16 @@ PAUSE_PREFIX = "privacy test failed: "
 PAIR_SEPARATOR = re.compile(r",(?=[^,:]+:)")
 # Counters a worker creates on first use; shown as 0 until then.
 WORKER_COUNTERS = ("ingested", "published", "suppressed", "rejected", "redelivered", "conflicts")
+# How each windowed mechanism's estimates are made (`service.running_counts.PublishedWindows`).
+WINDOWED_METHODS = {
+    "sdr": "SDR: Eq. 7 inverted in each sub-table, summed over the sub-tables of every "
+    "window; normal interval",
+    "anatomy": "Anatomy: Σ_g |P ∩ g|·c_g(s)/|g| over the QI-groups of every window; no interval",
+    "fprivacy": "F′-privacy: Σ_g |P ∩ g|·c_g(s)/|ST_g| over the buckets of every window; "
+    "[low, high] the counts consistent with them",
+    "dbr": "DBR: the published count; exact interval for a value's total",
+    "global": "global randomization: inverse-matrix MLE; normal interval",
+}
 
 
 def query_name(query: Query) -> str:
@@ -99,9 +122,12 @@ class Consumer:
         self.buffer = BufferState(client, config)
         self.publisher = publisher
         self.invalid = 0
-        self.records = -1
-        self.reconstruction: Reconstruction | None = None
+        self.counted = -1  # records and side messages the reconstruction was built from
+        self.records = 0  # published rows the reconstruction includes
+        self.reconstruction: Answers | None = None
+        self.windows: PublishedWindows | None = None
         self.tests: list[TestResult] = []
+        self.not_applicable: list[NotApplicable] = []
         self.tested_at: float | None = None
         self.standing: list[dict[str, Any]] = []
         self.history: collections.deque[dict[str, Any]] = collections.deque(maxlen=HISTORY)
@@ -132,19 +158,31 @@ class Consumer:
         await asyncio.gather(*steps)
 
     async def refresh(self) -> None:
-        """Rebuild the reconstruction if records were counted since the last build."""
-        records = (await self.counts.stats()).get("records", 0)
-        if records == self.records:
+        """Rebuild the reconstruction if records (or side messages) were counted since the
+        last build."""
+        stats = await self.counts.stats()
+        # A side message alone can complete a window's unit, and so change the estimates.
+        if stats.get("records", 0) + stats.get("side", 0) == self.counted:
             return
         tally = await self.counts.tally()
         # Off the event loop: a rebuild over tens of thousands of cells must not hold up
         # counting or queries.
-        self.reconstruction = await asyncio.to_thread(self.rebuild, tally)
-        self.records = sum(tally.values())
+        self.reconstruction, self.windows, self.records = await asyncio.to_thread(
+            self.rebuild, tally
+        )
+        self.counted = sum(tally.values())
 
-    def rebuild(self, tally: dict[bytes, int]) -> Reconstruction | None:
+    def rebuild(
+        self, tally: dict[bytes, int]
+    ) -> tuple[Answers | None, PublishedWindows | None, int]:
+        """The estimator of the counts, a windowed stream's windows, and the rows included."""
+        if self.config.windowed is not None:
+            windows = PublishedWindows.from_tally(self.config.schema, self.config.windowed, tally)
+            return (windows.estimator() if windows.rows else None), windows, windows.rows
+        assert isinstance(self.counts.codec, CellCodec)
         cells = self.counts.codec.cells(tally)
-        return stream_reconstruction(self.config, cells) if cells.total else None
+        reconstruction = stream_reconstruction(self.config, cells) if cells.total else None
+        return reconstruction, None, cells.total
 
     def estimate(self, objects: list[Any]) -> list[dict[str, Any]]:
         """Answer query objects like `splu query` does; bad ones get an "error"."""
@@ -154,11 +192,18 @@ class Consumer:
             shown = obj if isinstance(obj, dict) else {"query": obj}
             results.append(dict(shown))
             if self.reconstruction is None:
-                results[-1]["error"] = "no published records have been counted yet"
+                results[-1]["error"] = (
+                    f"{self.windows.held:,} published rows are counted, but no sub-table, group "
+                    "or bucket is whole yet (its side messages or rows are still to come)"
+                    if self.windows is not None and self.windows.held
+                    else "no published records have been counted yet"
+                )
                 continue
             try:
                 query = Query.from_json(obj)
                 self.reconstruction.check(query)
+                if self.windows is not None:
+                    self.check_domain(query)
             except QueryError as err:
                 results[-1]["error"] = str(err)
                 continue
@@ -166,17 +211,24 @@ class Consumer:
         if queries:
             assert self.reconstruction is not None
             estimates = self.reconstruction.estimate_many([q for _, q in queries])
-            total = self.reconstruction.cells.total
             for (i, query), estimate in zip(queries, estimates, strict=True):
                 results[i].update(
                     estimate.answer(), published=estimate.published, rows=estimate.predicate_rows,
-                    records=total, method=self.method(query, estimate),
+                    records=self.records, method=self.method(query, estimate),
                 )  # fmt: skip
         return results
+
+    def check_domain(self, query: Query) -> None:
+        """As `splu query` on a batch publication: a value outside its domain is an error."""
+        for column, label in query.value.items():
+            if label not in self.config.schema[column].domain:
+                raise QueryError(f"value.{column}: {label!r} is not in the domain")
 
     def method(self, query: Query, estimate: Estimate) -> str:
         if not query.value:
             return "exact: public values are published unchanged"
+        if self.config.windowed is not None:
+            return WINDOWED_METHODS[self.config.windowed.mechanism]
         if self.config.personal is not None:
             return "MLE of uniform perturbation (seed 004 Lemma 3), SPS design-effect interval"
         if not estimate.identifiable:
@@ -189,8 +241,9 @@ class Consumer:
         self, true: dict[bytes, int], shown: dict[bytes, int], suppressed: int, groups: dict
     ) -> list[TestResult]:
         config, reconstruction, codec = self.config, self.reconstruction, self.counts.codec
+        assert isinstance(codec, CellCodec)
         results = []
-        if config.decoy is not None and reconstruction is not None:
+        if config.decoy is not None and isinstance(reconstruction, Reconstruction):
             results.append(eligibility(config, reconstruction.cells, suppressed))
         if config.decoy is not None:
             results.append(guarantees(config))
@@ -210,18 +263,23 @@ class Consumer:
         """One round of privacy tests and standing queries; published and acted on by the
         leading consumer only, so N consumers send one report and agree on the pause."""
         await self.refresh()
-        true, shown = await self.buffer.truth()
-        suppressed = (await self.buffer.totals()).get("suppressed", 0)
-        groups = await self.buffer.personal_groups() if self.config.personal is not None else {}
-        results = await asyncio.to_thread(self.run_tests, true, shown, suppressed, groups)
+        skipped: list[NotApplicable] = []
+        if self.config.windowed is not None:
+            results, skipped = windowed_tests(self.config, self.windows)
+        else:
+            true, shown = await self.buffer.truth()
+            suppressed = (await self.buffer.totals()).get("suppressed", 0)
+            groups = await self.buffer.personal_groups() if self.config.personal is not None else {}
+            results = await asyncio.to_thread(self.run_tests, true, shown, suppressed, groups)
         standing = self.answer_standing()
         now = time.time()
         self.tests, self.tested_at, self.standing = results, now, standing
+        self.not_applicable = skipped
         if not self.leads():
             return
         messages = [
             {"kind": "test", "stream": self.config.name, "time": now, **r.to_json()}
-            for r in results
+            for r in [*results, *skipped]
         ] + [{"kind": "standing", "stream": self.config.name, "time": now, "queries": standing}]
         await retrying(
             "publishing reports",
@@ -257,6 +315,10 @@ class Consumer:
 
     async def worker_side(self) -> tuple[dict[str, int], dict[str, int]]:
         totals = dict.fromkeys(WORKER_COUNTERS, 0) | await self.buffer.totals()
+        if self.config.windowed is not None:
+            # A windowed worker keeps no gauge the consumer may read (they count records
+            # in windows): what is neither published nor suppressed waits in a window.
+            totals["pending"], totals["expired"] = totals.get("expired", 0), 0
         totals["buffer_cap"] = self.config.buffer_cap
         totals["redis_memory_bytes"] = await self.buffer.memory()
         totals["redis_memory_limit_bytes"] = await self.buffer.memory_limit()
@@ -273,7 +335,7 @@ class Consumer:
                     k: totals.get(k, 0)
                     for k in ("ingested", "published", "suppressed", "pending", "pool")
                 },
-                "records": max(self.records, 0),
+                "records": self.records,
                 "delay_p50": histogram_quantile(0.5, recent),
                 "delay_p99": histogram_quantile(0.99, recent),
                 "redis_memory_bytes": totals["redis_memory_bytes"],
@@ -282,14 +344,19 @@ class Consumer:
 
     async def ready(self) -> None:
         """Counts loaded, even before the timers run (they wait for the group join)."""
-        if self.records < 0:
+        if self.counted < 0:
             await self.refresh()
 
     async def status(self) -> dict[str, Any]:
         await self.ready()
         totals, delays = await self.worker_side()
         counted = await self.counts.stats()
-        cells = self.reconstruction.cells if self.reconstruction is not None else None
+        if self.windows is not None:
+            cells = len(self.windows.counts) + self.windows.side
+        elif isinstance(self.reconstruction, Reconstruction):
+            cells = len(self.reconstruction.cells.counts)
+        else:
+            cells = 0
         return {
             "stream": self.config.name,
             "mechanism": self.config.mechanism,
@@ -299,14 +366,18 @@ class Consumer:
             "worker": totals,
             "consumer": {
                 # What estimates include; "counted" runs ahead by up to REFRESH_INTERVAL.
-                "records": max(self.records, 0),
+                "records": self.records,
                 "counted": counted.get("records", 0),
-                "cells": len(cells.counts) if cells is not None else 0,
+                "cells": cells,
                 "duplicates": counted.get("duplicates", 0),
                 # Published (acknowledged by the broker) and not counted yet: it grows while
                 # the consumer falls behind the workers, whatever holds it up.
                 "lag": max(totals.get("published", 0) - counted.get("records", 0), 0),
                 "invalid": self.invalid,
+                # Windowed streams: side messages counted, and rows held out of the
+                # estimates until their sub-table, group or bucket is counted whole.
+                "side": counted.get("side", 0),
+                "held": self.windows.held if self.windows is not None else 0,
             },
             "delay": delay_histogram(delays),
             # What the mixing rule costs: records wait until a partition's pool holds its
@@ -320,6 +391,9 @@ class Consumer:
             },
             "standing": self.standing,
             "tests": [{**r.to_json(), "time": self.tested_at} for r in self.tests],
+            "not_applicable": [
+                {**n.to_json(), "time": self.tested_at} for n in self.not_applicable
+            ],
             "guarantee": self.curve,
             "history": list(self.history),
         }
