@@ -34,8 +34,9 @@ from typing import Any
 
 import numpy as np
 
-from service.config import StreamConfig
+from service.config import StreamConfig, WindowedSettings
 from service.merge import ValueMap
+from service.publication import Answers, PublicationError, checked_settings
 from service.reconstruct import (
     DecoyReconstruction,
     PersonalReconstruction,
@@ -44,6 +45,7 @@ from service.reconstruct import (
     QueryError,
     Reconstruction,
 )
+from service.running_counts import PublishedRecordError, PublishedWindows, WindowCodec
 from service.schema import Attribute, Schema, SchemaError
 
 # The manifest's layout; a reader refuses layouts it does not know.
@@ -55,8 +57,6 @@ MANIFEST_CONFIG = {"cleanup.policy": "compact"}
 # The Kafka key of the manifest record: compaction keeps the latest record per key, and every
 # record of a stream's manifest topic holds the same manifest.
 MANIFEST_KEY = b"manifest"
-# Mechanisms whose published records `Publication` answers from.
-ANSWERED = ("decoy", "personal")
 
 
 class ManifestError(ValueError):
@@ -195,10 +195,25 @@ class Manifest:
                 attributes.append(attribute)
         return Schema(tuple(attributes))
 
-    def check_answerable(self) -> None:
-        """Raise ManifestError unless `Publication` answers this stream's records."""
-        if self.mechanism not in ANSWERED:
-            raise _unanswered(self)
+    def windowed_settings(self) -> WindowedSettings | None:
+        """A windowed stream's mechanism and options (None for decoy and personal streams).
+        Its window sizes and waits are operational, so not in the manifest: reading does
+        not use them, and they are 0 here."""
+        if self.mechanism != "windowed":
+            return None
+        mechanism = self.parameters["mechanism"]
+        try:
+            options = checked_settings(mechanism, dict(self.parameters["options"]))
+        except PublicationError as err:
+            raise ManifestError(
+                f"the manifest's {mechanism} options are unusable ({err})"
+            ) from None
+        return WindowedSettings(mechanism, 0, 0.0, 0, options)
+
+    def tally(self) -> Tally | WindowTally:
+        """An empty count of this stream's published records, to `add` them to."""
+        settings = self.windowed_settings()
+        return Tally(self.schema()) if settings is None else WindowTally(self.schema(), settings)
 
     def changes(self, other: Manifest) -> list[str]:
         """What differs from `other`, one line per field: "parameters.gamma: 5 → 6"."""
@@ -214,7 +229,8 @@ class Manifest:
         return changed
 
     def reconstruction(self, cells: PublishedCells, confidence: float = 0.95) -> Reconstruction:
-        """The reconstruction the stream's consumer builds over the same cells."""
+        """The reconstruction the stream's consumer builds over the same cells (decoy and
+        personal streams; a windowed one's is `WindowTally.estimator`)."""
         sensitive = [entry["name"] for entry in self.document["schema"]["sensitive"]]
         parameters = self.parameters
         if self.mechanism == "decoy":
@@ -233,14 +249,10 @@ class Manifest:
                 lam=parameters["lambda"], delta=parameters["delta"],
                 budget=parameters["budget"], value_map=value_map, confidence=confidence,
             )  # fmt: skip
-        raise _unanswered(self)
-
-
-def _unanswered(manifest: Manifest) -> ManifestError:
-    return ManifestError(
-        f"stream {manifest.document['stream']!r} runs {manifest.parameters['mechanism']} on "
-        "windows, whose answers need its side messages: ask its consumer (`splu query --url`)"
-    )
+        raise ManifestError(
+            f"stream {self.document['stream']!r} runs {self.parameters['mechanism']} on "
+            "windows: its answers need its side messages too (`WindowTally`)"
+        )
 
 
 def _flat(value: Any, path: str = "") -> dict[str, Any]:
@@ -311,20 +323,64 @@ class Tally:
         return PublishedCells(names, domains, rows, counts)
 
 
-class Publication:
-    """A stream's published records, counted once per token (`Tally`), and the manifest's
-    reconstruction over them: its answers equal the stream consumer's ``/estimate``."""
+class WindowTally:
+    """A windowed stream's published messages, rows and side messages alike, counted once
+    per token by its consumer's rules (`service.running_counts.WindowCodec`): an unreadable
+    message or one without a token is `invalid`, a token seen before a re-sent copy."""
 
-    def __init__(self, manifest: Manifest, tally: Tally, confidence: float = 0.95) -> None:
-        manifest.check_answerable()
+    def __init__(self, schema: Schema, settings: WindowedSettings) -> None:
+        self.schema, self.settings = schema, settings
+        self._codec = WindowCodec(schema, settings)
+        self._tokens: set[bytes] = set()
+        self._cells: dict[bytes, int] = {}
+        self.duplicates = 0
+        self.invalid = 0
+
+    def add(self, token: bytes | None, value: bytes) -> None:
+        try:
+            cell = self._codec.key_of(value)
+        except PublishedRecordError:
+            self.invalid += 1
+            return
+        if not token:
+            self.invalid += 1
+        elif token in self._tokens:
+            self.duplicates += 1
+        else:
+            self._tokens.add(token)
+            self._cells[cell] = self._cells.get(cell, 0) + 1
+
+    def windows(self) -> PublishedWindows:
+        """The units (sub-tables, groups, buckets) counted whole, as the consumer keeps them."""
+        return PublishedWindows.from_tally(self.schema, self.settings, self._cells)
+
+
+class Publication:
+    """A stream's published records, counted once per token (`Tally`, or `WindowTally` for
+    a windowed stream), and the estimator over them: its answers equal the stream
+    consumer's ``/estimate``. `records` is the rows the answers include (for a windowed
+    stream, of the units counted whole; `held` the others)."""
+
+    def __init__(
+        self, manifest: Manifest, tally: Tally | WindowTally, confidence: float = 0.95
+    ) -> None:
         self.manifest = manifest
-        self.cells = tally.cells()
-        self.records = self.cells.total
         self.duplicates = tally.duplicates
         self.invalid = tally.invalid
-        self.reconstruction = (
-            manifest.reconstruction(self.cells, confidence) if self.records else None
-        )
+        # A windowed stream's values outside their domain are errors, as on its consumer.
+        self.windowed = isinstance(tally, WindowTally)
+        self.domains = {a.name: frozenset(a.domain) for a in manifest.schema().sensitive}
+        self.reconstruction: Answers | None
+        if isinstance(tally, WindowTally):
+            windows = tally.windows()
+            self.records, self.held = windows.rows, windows.held
+            self.reconstruction = windows.estimator(confidence) if self.records else None
+        else:
+            cells = tally.cells()
+            self.records, self.held = cells.total, 0
+            self.reconstruction = (
+                manifest.reconstruction(cells, confidence) if cells.total else None
+            )
 
     @classmethod
     def from_records(
@@ -334,8 +390,7 @@ class Publication:
         confidence: float = 0.95,
     ) -> Publication:
         """From (Kafka key, value) pairs of the published topic, in any order."""
-        manifest.check_answerable()
-        tally = Tally(manifest.schema())
+        tally = manifest.tally()
         for token, value in records:
             tally.add(token, value)
         return cls(manifest, tally, confidence)
@@ -354,6 +409,8 @@ class Publication:
             try:
                 query = Query.from_json(obj)
                 self.reconstruction.check(query)
+                if self.windowed:
+                    query.check_values(self.domains)
             except QueryError as err:
                 results[-1]["error"] = str(err)
                 continue

@@ -65,7 +65,7 @@ not identifiable; such answers fall back to |P|·f_k/N with the interval
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -113,6 +113,13 @@ class Query:
             parsed_where[column] = tuple(_label(column, v) for v in options)
         parsed_value = {column: _label(column, v) for column, v in value.items()}
         return cls(parsed_where, parsed_value)
+
+    def check_values(self, domains: Mapping[str, Collection[str]]) -> None:
+        """Raise QueryError for a sensitive value outside its attribute's domain: the
+        estimators of the batch mechanisms would answer 0 for it, which reads like a count."""
+        for column, label in self.value.items():
+            if label not in domains[column]:
+                raise QueryError(f"value.{column}: {label!r} is not in the domain")
 
 
 def _label(column: str, value: object) -> str:

@@ -20,7 +20,7 @@ import os
 
 from aiokafka.structs import ConsumerRecord
 
-from service.manifest import ManifestError, Publication, Tally, manifest_topic
+from service.manifest import ManifestError, Publication, manifest_topic
 from streams.manifest import read_manifest, read_to_end
 from streams.topics import existing_topics, run_in_thread
 
@@ -36,12 +36,11 @@ async def fetch_publication(stream: str, bootstrap: str, confidence: float = 0.9
             f"{manifest_topic(stream)} at {bootstrap} holds no manifest: no stream {stream!r} "
             "there, or its workers have not started (or predate manifests)"
         )
-    manifest.check_answerable()
     topic = manifest.published_topic
     partitions = (await existing_topics(bootstrap, HINT)).get(topic)
     if partitions is None:
         raise ManifestError(f"the manifest names {topic}, which does not exist at {bootstrap}")
-    tally = Tally(manifest.schema())
+    tally = manifest.tally()
 
     def count(batch: list[ConsumerRecord]) -> None:
         for record in batch:

@@ -188,10 +188,16 @@ def test_the_publication_answers_as_the_consumer_counts(tmp_path, key_env, name)
     assert "no such public column" in bad[0]["error"] and "not a sensitive" in bad[1]["error"]
 
 
-def test_a_windowed_stream_is_not_answered_from_its_rows_alone(tmp_path, key_env):
-    manifest = Manifest.of_config(load_config(example("adult-windowed.toml", tmp_path)))
+def test_a_windowed_manifest_restores_its_mechanism_and_exact_options(tmp_path, key_env):
+    config = load_config(example("adult-windowed.toml", tmp_path))
+    manifest = Manifest.from_json(Manifest.of_config(config).to_json())
+    settings = manifest.windowed_settings()
+    assert settings is not None and config.windowed is not None
+    assert (settings.mechanism, dict(settings.options)) == (
+        config.windowed.mechanism, dict(config.windowed.options),
+    )  # fmt: skip
     with pytest.raises(ManifestError, match="side messages"):
-        Publication(manifest, Tally(manifest.schema()))
+        manifest.reconstruction(Tally(manifest.schema()).cells())
 
 
 def test_query_topic_needs_a_bootstrap_and_no_mechanism_options(tmp_path, monkeypatch, capsys):

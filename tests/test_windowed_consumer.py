@@ -45,6 +45,7 @@ from service.schema import Schema
 from service.windowed import KIND, WindowState, render_window
 from streams.bulk import EXIT_FAULT, FAULT_EXIT_BEFORE_COMMIT
 from streams.produce import produce
+from streams.reader import read_publication
 from streams.topics import create_topics
 
 # Whole stream processes on the embedded servers; run once, not again on Debian's Redis.
@@ -252,6 +253,24 @@ def test_estimates_equal_splu_query_on_the_published_messages(runs, tmp_path, me
             assert answer.get(field) == expected.get(field), (query, expected, answer)
         assert answer["records"] == totals["published"] and answer["method"]
     assert sum("error" in a for a in run.answers) == 1
+
+
+@pytest.mark.parametrize("mechanism", list(STREAMED))
+def test_the_downstream_reader_answers_as_the_consumer(runs, mechanism):
+    """`streams.reader` (what `splu query --topic` runs) reads the manifest and the
+    published topic alone, side messages included, and gives the consumer's numbers."""
+    run = runs[mechanism]
+    config = run.harness.config
+    publication = read_publication(config.name, config.kafka_bootstrap)
+    assert publication.manifest.parameters["mechanism"] == mechanism
+    assert (publication.records, publication.held) == (run.totals["published"], 0)
+    read = publication.answer(run.queries)
+    for query, expected, answer in zip(run.queries, run.answers, read, strict=True):
+        if "error" in expected:
+            assert "is not in the domain" in answer["error"], (query, answer)
+            continue
+        for field in ("estimate", "low", "high"):
+            assert answer.get(field) == expected.get(field), (query, expected, answer)
 
 
 @pytest.mark.parametrize("mechanism", list(STREAMED))

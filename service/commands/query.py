@@ -68,9 +68,8 @@ def _read_queries(
             try:
                 query = Query.from_json(obj)
                 reconstruction.check(query)
-                for column, label in query.value.items():
-                    if domains is not None and label not in domains[column]:
-                        raise QueryError(f"value.{column}: {label!r} is not in the domain")
+                if domains is not None:
+                    query.check_values(domains)
             except QueryError as err:
                 shown = obj if isinstance(obj, dict) else {"line": number}
                 objects.append({**shown, "error": str(err)})
@@ -146,8 +145,9 @@ def _query_topic(args: argparse.Namespace) -> int:
     lines = _query_lines(args.queries)
     publication = args.read_topic(stream, bootstrap, args.confidence)
     answers = iter(publication.answer([obj for obj in lines if not isinstance(obj, _BadLine)]))
+    held = f", {publication.held:,} more held until their unit is whole" if publication.held else ""
     source = (
-        f"from {stream} at {bootstrap} ({publication.records:,} published records, "
+        f"from {stream} at {bootstrap} ({publication.records:,} published records{held}, "
         f"{publication.manifest.mechanism})"
     )
     return _write_answers(args, _merged(lines, answers), source)
