@@ -36,7 +36,7 @@ import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
 
 from service.config import StreamConfig
-from service.guarantees import trial_limit
+from service.guarantees import budget_level, trial_limit
 from service.ingest import PreparedBatch
 from service.metrics import DELAY_BOUNDS_MS
 from service.prf import ServiceKey
@@ -401,8 +401,10 @@ class StreamBuffer(BufferState):
         need a reproducible run replace the operating system's."""
         super().__init__(client, config)
         self._entropy = entropy
+        # The bounded budget's share bound is personal.lua's only helper of its own.
+        helpers = ("bound",) if config.personal is not None else ()
         self._ingest = client.register_script(
-            lua_script("fingerprints", "uniforms", "ingest", config.mechanism)
+            lua_script("fingerprints", "uniforms", "ingest", *helpers, config.mechanism)
         )
         bounds = f"local DELAY_BOUNDS = {_lua_list(DELAY_BOUNDS_MS)}\n"
         self._take = client.register_script(bounds + lua_script("uniforms", "emit"))
@@ -417,6 +419,7 @@ class StreamBuffer(BufferState):
             self._personal_args = [
                 settings.release_size, settings.budget, int(limit // config.partitions),
                 settings.retention, m, settings.lam, settings.delta, config.partitions,
+                repr(budget_level(config.partitions)),
             ]  # fmt: skip
 
     async def ingest(

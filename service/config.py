@@ -47,7 +47,11 @@
     retention = 0.5
     lambda = 0.3
     delta = 0.3
-    budget = "conservative"      # adaptive budgets can be overrun when frequencies drift
+    budget = "bounded"           # trials planned with an upper confidence bound on each
+                                 # group's final largest frequency (docs/architecture.md);
+                                 # "conservative" plans with frequency 1, safe under any
+                                 # drift but less accurate; "adaptive" with the frequency
+                                 # so far, overrun when it drifts; "none": plain perturbation
     release_size = 100
     merge_map = "adult.merge.toml"   # optional, relative to this file (`splu merge` fits one):
                                      # public values merged into larger groups, so each
@@ -103,7 +107,7 @@ from typing import Any
 
 from service.guarantees import check_reconstruction_parameters, trial_limit
 from service.mechanisms.fprivacy import METHODS as BUCKET_METHODS
-from service.mechanisms.personal import BUDGETS
+from service.mechanisms.personal import STREAM_BUDGETS
 from service.merge import ValueMap
 from service.prf import KEY_BYTES, ServiceKey
 from service.publication import COUNT_COLUMN, DEFAULTS, EXTRA_COLUMN, MECHANISM_OPTIONS
@@ -709,7 +713,7 @@ def _personal_settings(
     retention = table.number("retention", 0.5)
     lam = table.number("lambda", 0.3)
     delta = table.number("delta", 0.3)
-    budget = table.text("budget", "conservative", choices=BUDGETS)
+    budget = table.text("budget", "bounded", choices=STREAM_BUDGETS)
     release_size = table.integer("release_size", 100)
     map_name = table.text("merge_map") if table.get("merge_map") is not None else None
     table.finish()

@@ -1,7 +1,9 @@
 """The guarantees each mechanism makes, computed exactly.
 
 Decoy groups (SPEC §2.1): small-sum privacy and large-sum utility.
-Personal groups (SPEC §2.2): the (λ, δ) reconstruction-privacy trial limit s_g.
+Personal groups (SPEC §2.2): the (λ, δ) reconstruction-privacy trial limit s_g, and
+the upper confidence bound on a group's largest frequency that the stream's
+``bounded`` budget plans s_g with.
 
 Decoy groups. A value with true count f has published count f′ ~ Binomial(γ·f, 1/γ), so its
 relative error has an exact distribution and every guarantee is a binomial
@@ -196,3 +198,67 @@ def trial_limit(
         raise ValueError("the largest frequency of a group must lie in (0, 1]")
     p, m = retention, domain_size
     return -2.0 * (f * p + (1.0 - p) / m) * np.log(delta) / (lam * p * f) ** 2
+
+
+# The bounded budget's confidence per personal group, over the group's whole life in the
+# stream: with probability at least this, no bound a group's trials were planned with
+# fell below its final largest frequency (docs/architecture.md derives it). A violation
+# costs a pause of publishing (fail_closed) and the error of a bound grows only with
+# √ln(1/α), so α is taken small: 10⁻³ per group keeps the chance that any of a few
+# hundred groups is overrun by sampling noise alone below a few percent.
+BUDGET_CONFIDENCE = 0.999
+# Bisection steps for the bound: 64 halvings of [0, 1] reach the spacing of doubles.
+BOUND_STEPS = 64
+
+
+def budget_epoch(records: int) -> int:
+    """⌊log₂ n⌋: a group's bound is replanned once per doubling of its records."""
+    return max(int(records), 1).bit_length() - 1
+
+
+def budget_level(partitions: int = 1, confidence: float = BUDGET_CONFIDENCE) -> float:
+    """α = (1 − confidence) / partitions: each partition's share of a group's level."""
+    return (1.0 - confidence) / partitions
+
+
+def epoch_level(epoch: int, partitions: int = 1, confidence: float = BUDGET_CONFIDENCE) -> float:
+    """α_e = α / ((e + 1)(e + 2)): the level of the bound planned in epoch e.
+
+    Σ_e 1/((e + 1)(e + 2)) = 1, so the bounds of every epoch of every partition's
+    share of a group hold together with probability at least `confidence`.
+    """
+    return budget_level(partitions, confidence) / ((epoch + 1) * (epoch + 2))
+
+
+def share_upper_bound(
+    count: float | np.ndarray, records: float | np.ndarray, level: float | np.ndarray
+) -> np.ndarray:
+    """Upper confidence bound on a share: the largest q ≥ x = count/n with
+    n·KL(x ‖ q) ≤ ln(1/α), KL the Bernoulli relative entropy.
+
+    By Chernoff's bound P(Binomial(n, q) ≤ count) ≤ exp(−n·KL(x ‖ q)) for q ≥ x,
+    so the bound is never below the one-sided Clopper–Pearson bound
+    (beta.ppf(1 − α, count + 1, n − count)) and covers q with probability ≥ 1 − α.
+    Hoeffding (JASA 58, 1963, Thm. 4) extends the Chernoff bound to draws without
+    replacement, so it also covers the share of a finite group the n records are
+    a random subset of. `service/lua/bound.lua` computes the same bisection.
+    """
+    n = np.asarray(records, dtype=np.float64)
+    x = np.asarray(count, dtype=np.float64) / np.where(n > 0, n, 1.0)
+    x = np.where(n > 0, x, 1.0)
+    target = np.log(1.0 / np.asarray(level, dtype=np.float64))
+    low, high = np.broadcast_arrays(x, np.ones_like(x))
+    for _ in range(BOUND_STEPS):
+        middle = (low + high) / 2
+        above = n * _relative_entropy(x, middle) > target
+        high = np.where(above, middle, high)
+        low = np.where(above, low, middle)
+    return np.where(x >= 1, 1.0, high)
+
+
+def _relative_entropy(x: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """KL(x ‖ q) of two Bernoulli laws, 0·ln 0 = 0, for x ≤ q < 1."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        kept = np.where(x > 0, x * np.log(x / q), 0.0)
+        other = np.where(x < 1, (1 - x) * np.log((1 - x) / (1 - q)), 0.0)
+    return kept + other

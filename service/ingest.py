@@ -133,10 +133,10 @@ class Preparer:
             self._decoy = DecoyGroups(config.decoy.gamma, config.decoy.grouping)
         if config.personal is not None:
             settings = config.personal
+            # For its grouping only: the stream's trial budget is personal.lua's.
             self._personal = PersonalGroups(
-                settings.retention, settings.lam, settings.delta, settings.budget,
-                settings.value_map,
-            )  # fmt: skip
+                settings.retention, settings.lam, settings.delta, value_map=settings.value_map
+            )
             self._perturbation = UniformPerturbation(
                 settings.retention, self.schema.sensitive[0].size
             )

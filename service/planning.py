@@ -454,6 +454,12 @@ def recommend_personal(settings: Sequence[Setting], max_error: float) -> Setting
     return min(fitting, key=lambda s: s.large_mean() or 0.0, default=None)
 
 
+# The stream budget a planned batch budget stands for: the batch's adaptive budget uses
+# each group's final frequency, which a stream does not know; its bounded budget plans with
+# an upper confidence bound on it instead and approaches adaptive as groups grow.
+STREAM_BUDGET = {"adaptive": "bounded", "conservative": "conservative", "none": "none"}
+
+
 def toml_block(setting: Setting) -> str:
     """The stream config's table for `setting`, as service/config.py reads it."""
     p = setting.parameters
@@ -464,7 +470,7 @@ def toml_block(setting: Setting) -> str:
         f"retention = {p['retention']:g}",
         f"lambda = {p['lambda']:g}",
         f"delta = {p['delta']:g}",
-        f'budget = "{p["budget"]}"',
+        f'budget = "{STREAM_BUDGET[p["budget"]]}"',
     ]
     if p["merge_map"]:
         lines.append(f"merge_map = {json.dumps(p['merge_map'])}")

@@ -9,8 +9,12 @@ published) and the stream's configuration.
 - ``guarantees`` (decoy): T_P(ε, α) and T_f(ε, T_E) for γ; fails when T_P
   falls below ``min_privacy``.
 - ``budget`` (personal): the share of groups (v_g) and of records (v_r) whose
-  independent trials exceed s_g at the group's current true frequencies, and
-  the same for plain perturbation (every record a trial) for comparison.
+  independent trials exceed s_g at the group's current true frequencies (the
+  f = 1 limit for the conservative budget), and the same for plain
+  perturbation (every record a trial) for comparison; how close the closest
+  group came (its trials over ⌊s_g⌋ at its current frequency, whatever the
+  budget), and how many groups the bounded budget froze because their
+  frequency drifted past its bound.
 - ``adversary``: what an analyst holding only the published data reconstructs.
   For every public combination with at least ``min_rows`` published rows and
   every sensitive value, the count is estimated exactly as ``/estimate``
@@ -160,11 +164,14 @@ def budget(config: StreamConfig, groups: Mapping[str, Mapping[str, int]]) -> Tes
         "records": records,
         "v_g": share(over),
         "v_r": share(over, totals),
+        "groups_over": int(over.sum()),
         "plain_v_g": share(plain_over),
         "plain_v_r": share(plain_over, totals),
         "trials": float(used.sum()),
         "budget_use": float(used.sum() / limit.sum()) if limit.sum() else 0.0,
         "max_group_use": float((used / limit).max()) if len(limit) else 0.0,
+        "max_exact_use": float((used / exact).max()) if len(exact) else 0.0,
+        "groups_frozen": sum(g.get("frozen", 0) > 0 for g in groups.values()),
     }
     return TestResult("budget", not over.any(), numbers)
 

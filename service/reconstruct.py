@@ -71,8 +71,14 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import stats
 
-from service.guarantees import check_reconstruction_parameters, trial_limit
-from service.mechanisms.personal import BUDGETS, UniformPerturbation
+from service.guarantees import (
+    budget_epoch,
+    check_reconstruction_parameters,
+    epoch_level,
+    share_upper_bound,
+    trial_limit,
+)
+from service.mechanisms.personal import STREAM_BUDGETS, UniformPerturbation
 from service.merge import ValueMap
 from service.table import Table, distinct_rows
 
@@ -494,7 +500,8 @@ class PersonalReconstruction(Reconstruction):
     sensitive: the one perturbed column.
     retention, domain_size: p and m of the perturbation.
     lam, delta, budget: the publication's (λ, δ) and budget, which fix how
-        many trials each group had; budget ``none`` is plain perturbation.
+        many trials each group had; budget ``none`` is plain perturbation,
+        ``bounded`` a stream's default budget.
     value_map: the merge map the publication grouped with (None: raw groups).
         The interval is only as good as this: a map other than the
         publication's puts rows that share draws into different groups.
@@ -516,8 +523,8 @@ class PersonalReconstruction(Reconstruction):
     ) -> None:
         super().__init__(cells, [sensitive], confidence, clip)
         self.perturbation = UniformPerturbation(retention, domain_size)
-        if budget not in BUDGETS:
-            raise ValueError(f"budget must be one of {', '.join(BUDGETS)}, got {budget!r}")
+        if budget not in STREAM_BUDGETS:
+            raise ValueError(f"budget must be one of {', '.join(STREAM_BUDGETS)}, got {budget!r}")
         check_reconstruction_parameters(retention, domain_size, lam, delta)
         self._group = self._cell_groups(value_map)
         self._strata, self._sharing = self._design(lam, delta, budget)
@@ -541,8 +548,12 @@ class PersonalReconstruction(Reconstruction):
 
         N_gv = |g|·F′_gv, Lemma 3 within the group, negatives set to 0. The
         group's trials n_g follow from the budget as in SPS: min(|g|, ⌊s_g⌋)
-        with f = 1 (conservative) or the group's estimated largest frequency
-        (adaptive); plain perturbation (``none``) has no copies, w = 0. The
+        with f = 1 (conservative), the group's estimated largest frequency
+        (adaptive) or the stream's upper bound on it, as its last epoch planned
+        it (bounded, one owner per group); plain perturbation (``none``) has no
+        copies, w = 0. The stream spends its trials on the first records of a
+        group rather than a stratified sample, which is the same in expectation
+        when arrivals are in random order. The
         stratum's draws n_gv replay SPS's allocation in expectation: one per
         value present, the rest in proportion,
 
@@ -566,10 +577,15 @@ class PersonalReconstruction(Reconstruction):
         strata = np.clip(frequency, 0, None) * sizes[:, None]
         if budget == "none":
             return strata, np.zeros_like(strata)
+        largest = np.clip(frequency.max(axis=1, initial=0), 1.0 / m, 1.0)
         if budget == "conservative":
             largest = np.ones(groups)
-        else:
-            largest = np.clip(frequency.max(axis=1, initial=0), 1.0 / m, 1.0)
+        elif budget == "bounded":
+            # The stream planned its last trials with the bound of the group's last
+            # epoch, taken when it first held 2^e records (service/lua/personal.lua).
+            epoch = np.array([budget_epoch(int(n)) for n in sizes])
+            planned = 2.0**epoch
+            largest = share_upper_bound(largest * planned, planned, epoch_level(epoch))
         trials = np.minimum(
             sizes, np.clip(np.floor(trial_limit(largest, p, m, lam, delta)), 1, None)
         )

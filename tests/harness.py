@@ -43,6 +43,7 @@ class Harness:
         reports: dict | None = None,
         partitions: int = 2,
         redis_settings: dict | None = None,
+        personal: dict | None = None,
     ) -> None:
         document = tomllib.loads((EXAMPLES / example).read_text())
         name = f"it{uuid.uuid4().hex[:8]}"
@@ -56,6 +57,8 @@ class Harness:
         document["redis"]["cluster"] = servers.redis_cluster
         document["redis"].update(redis_settings or {})
         document.setdefault("reports", {}).update(reports or {})
+        if personal:
+            document["personal"].update(personal)
         merge = None
         if "personal" in document:
             merge = tomllib.loads((EXAMPLES / document["personal"]["merge_map"]).read_text())

@@ -91,3 +91,15 @@ def test_redis_cluster_and_replica_acks_from_the_file_and_the_environment(monkey
             parse_config(
                 {**document, "redis": {**document["redis"], key: value}}, "a.toml", EXAMPLES
             )
+
+
+def test_personal_budget_defaults_to_bounded_and_keeps_the_others():
+    document = tomllib.loads((EXAMPLES / "adult-personal.toml").read_text())
+    del document["personal"]["budget"]
+    assert parse_config(document, "x.toml", EXAMPLES).personal.budget == "bounded"
+    for budget in ("bounded", "adaptive", "conservative", "none"):
+        document["personal"]["budget"] = budget
+        assert parse_config(document, "x.toml", EXAMPLES).personal.budget == budget
+    document["personal"]["budget"] = "safe"
+    with pytest.raises(ConfigError, match=r"personal\.budget.*bounded, adaptive, conservative"):
+        parse_config(document, "x.toml", EXAMPLES)

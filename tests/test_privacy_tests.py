@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import secrets
 import tomllib
 import uuid
@@ -105,6 +106,12 @@ def test_budget_flags_groups_over_their_trial_limit():
     over = budget(config, groups)
     assert not over.passed and over.numbers["v_g"] == 0.5
     assert over.numbers["v_r"] == pytest.approx((limit + 1) / (6 * limit + 1))
+    assert over.numbers["groups_over"] == 1 and over.numbers["groups_frozen"] == 0
+    # How close a group came, against ⌊s_g⌋ at its own frequency whatever the budget.
+    exact = math.floor(trial_limit(30 / 31, 0.5, 2, 0.3, 0.3))
+    groups["1.0.0.0"].update(total=31, trials=exact, frozen=1, **{"c:0": 30, "c:1": 1})
+    closest = budget(config, groups)
+    assert closest.numbers["max_exact_use"] == 1.0 and closest.numbers["groups_frozen"] == 1
 
 
 def test_histogram_quantiles_follow_prometheus():

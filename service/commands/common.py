@@ -16,7 +16,7 @@ import numpy as np
 
 from service.mechanisms.decoy import GROUPINGS
 from service.mechanisms.fprivacy import METHODS as BUCKET_METHODS
-from service.mechanisms.personal import BUDGETS
+from service.mechanisms.personal import STREAM_BUDGETS
 from service.prf import ServiceKey, random_ids
 from service.publication import (
     DEFAULTS,
@@ -63,7 +63,8 @@ DELTA_HELP = (
 )
 BUDGET_HELP = (
     "personal: trials allowed per group: adaptive (its true largest frequency, default), "
-    "conservative (frequency 1, safe under drift), none (plain perturbation, for comparison)"
+    "conservative (frequency 1, safe under drift), none (plain perturbation, for comparison); "
+    "query also takes bounded, a stream's default (an upper confidence bound on the frequency)"
 )
 RHO_HELP = (
     "sdr: restricted (ρ1, ρ2)-privacy, 0 < ρ1 < ρ2 < 1 (default 1/13 and 1/6, the paper's "
@@ -232,7 +233,7 @@ def add_mechanism_options(parser: argparse.ArgumentParser, reconstruction: bool)
     personal.add_argument("--retention", type=float, help=RETENTION_HELP)
     personal.add_argument("--lambda", dest="lam", type=float, help=LAMBDA_HELP)
     personal.add_argument("--delta", type=float, help=DELTA_HELP)
-    personal.add_argument("--budget", choices=BUDGETS, help=BUDGET_HELP)
+    personal.add_argument("--budget", choices=STREAM_BUDGETS, help=BUDGET_HELP)
     personal.add_argument(
         "--merge-map",
         metavar="FILE",

@@ -14,7 +14,6 @@ import numpy as np
 
 from service import planning
 from service.commands.common import (
-    BUDGET_HELP,
     FORMATTER,
     LAMBDA_HELP,
     CommandError,
@@ -584,9 +583,10 @@ def register(commands: Commands) -> None:
     personal.add_argument(
         "--budget",
         choices=BUDGETS,
-        default="conservative",
-        help=BUDGET_HELP.replace("default", "the batch default")
-        + "; default conservative, as a stream's",
+        default="adaptive",
+        help="the batch budget to measure: adaptive (default; the recommended block names "
+        "the stream's bounded budget, which approaches it safely as groups grow), "
+        "conservative (f = 1, safe under any drift) or none (plain perturbation)",
     )
     personal.add_argument(
         "--merge-map",

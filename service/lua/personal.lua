@@ -6,19 +6,22 @@
 -- (streaming scaling). Copies add rows, not trials.
 --
 -- KEYS[1]  the partition's key prefix, "splu:{<stream>:<partition>}".
--- ARGV     now_ms, max_wait_ms, release_size, budget (adaptive, conservative or none),
---          fixed budget (conservative), p, m, lambda, delta, partitions, record ttl (ms,
---          0: none), n, then one argument per record: id (32 hex digits), fingerprint
---          (ingest.lua), then "public codes|group key|value|perturbed value|raw offset".
+-- ARGV     now_ms, max_wait_ms, release_size, budget (bounded, adaptive, conservative or
+--          none), fixed budget (conservative), p, m, lambda, delta, partitions, level (the
+--          bounded budget's 1 - confidence per partition), record ttl (ms, 0: none), n,
+--          then one argument per record: id (32 hex digits), fingerprint (ingest.lua),
+--          then "public codes|group key|value|perturbed value|raw offset".
 -- Returns  the number of buffered records, the pool size, then position and status of
 --          each record not stored anew (1 redelivered, 2 id reused with other content).
 --
 -- Keys: :seen and :off (ingest.lua); :rec id -> msgpack {arrival, public, group, value,
 -- perturbed}; :gq group -> arrival of its oldest buffered record; :g:<group>:buf
--- buffered ids; :g:<group>:s copy counters (cc:<v>) and borrows; :g:<group>:tr:<v>
--- perturbed values of the trials of original value v; :g:<group>:tv values with trials;
--- :gstat "<group>|total", "<group>|trials" and "<group>|c:<v>" (true counts): the
--- aggregates the consumer's budget test reads, the only group state it may read; :pool
+-- buffered ids; :g:<group>:s copy counters (cc:<v>), borrows and the bounded budget's
+-- state (epoch, bound, frozen); :g:<group>:tr:<v> perturbed values of the trials of
+-- original value v; :g:<group>:tv values with trials; :gstat "<group>|total",
+-- "<group>|trials", "<group>|c:<v>" (true counts) and "<group>|frozen" (1 once its bound
+-- failed): the aggregates the consumer's budget test reads, the only group state it may
+-- read; :pool
 -- entry -> time, an entry being "public|published|t, c or b (trial, copy, borrowed
 -- copy)|true value|arrival|id", of which the emitter publishes the first two fields;
 -- :stats counters and gauges.
@@ -27,15 +30,15 @@ local base = KEYS[1]
 local now, max_wait, release_size = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local budget_mode, fixed_budget = ARGV[4], tonumber(ARGV[5])
 local p, m, lambda, delta = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
-local partitions, ttl = tonumber(ARGV[10]), tonumber(ARGV[11])
-local n = tonumber(ARGV[12])
+local partitions, level, ttl = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12])
+local n = tonumber(ARGV[13])
 local k_rec, k_queue, k_gstat = base .. ':rec', base .. ':gq', base .. ':gstat'
 local k_pool, k_stats = base .. ':pool', base .. ':stats'
 
-open_dedup(base, n, 12)
+open_dedup(base, n, 13)
 local touched, added = {}, 0
 for r = 1, n do
-  local id, fingerprint, fields = parse(ARGV[12 + r], 5)
+  local id, fingerprint, fields = parse(ARGV[13 + r], 5)
   local fresh = first_seen(r, fingerprint, fields[5])
   -- HSETNX: an id stored twice would be buffered and released twice.
   if fresh and redis.call('HSETNX', k_rec, id, cmsgpack.pack({now, fields[1], fields[2],
@@ -56,11 +59,22 @@ for r = 1, n do
   end
 end
 
--- Trials a group may hold here: s_g = -2 (f p + (1-p)/m) ln(delta) / (lambda p f)^2 with
--- f its largest true frequency (seed 004 Cor. 6), or the conservative f = 1 limit,
--- split evenly over the partitions: a group's records may arrive on any of them, and
--- together they must not exceed s_g.
-local function budget(group)
+-- s_g = -2 (f p + (1-p)/m) ln(delta) / (lambda p f)^2 (seed 004 Cor. 6) split evenly over
+-- the partitions: a group's records may arrive on any of them, and together they must
+-- not exceed s_g. It falls as f rises, so planning with an upper bound on f is safe.
+local function share_of_limit(f)
+  return -2 * (f * p + (1 - p) / m) * math.log(delta) / (lambda * p * f) ^ 2 / partitions
+end
+
+-- Trials the group may hold here, `trials` of them spent: conservative plans with f = 1,
+-- adaptive with its largest frequency so far (overrun when it drifts), bounded with an
+-- upper confidence bound on its final largest frequency, replanned once per doubling of
+-- its records at level / ((e + 1)(e + 2)) for epoch e = floor(log2 records), so the
+-- bounds of all epochs hold together with probability 1 - level (service.guarantees).
+-- A bound below the frequency seen since, or trials over the limit at the current
+-- frequency, mean the group drifted as the bound did not foresee: it is frozen, and
+-- publishes copies only from then on.
+local function budget(group, trials)
   if budget_mode == 'none' then return math.huge end
   if budget_mode == 'conservative' then return fixed_budget end
   local fields = {group .. '|total'}
@@ -72,8 +86,24 @@ local function budget(group)
     if c > largest then largest = c end
   end
   local f = largest / total
-  local limit = -2 * (f * p + (1 - p) / m) * math.log(delta) / (lambda * p * f) ^ 2
-  return math.floor(limit / partitions)
+  if budget_mode == 'adaptive' then return math.floor(share_of_limit(f)) end
+  local k_state = base .. ':g:' .. group .. ':s'
+  local state = redis.call('HMGET', k_state, 'epoch', 'bound', 'frozen')
+  if state[3] then return 0 end
+  local planned, bound = tonumber(state[1] or '-1'), tonumber(state[2] or '1')
+  local epoch = 0
+  while 2 ^ (epoch + 1) <= total do epoch = epoch + 1 end
+  if epoch > planned then
+    bound = share_upper_bound(largest, total, level / ((epoch + 1) * (epoch + 2)))
+    -- %.17g: the bound read back is the double computed, not a 14-digit rounding.
+    redis.call('HSET', k_state, 'epoch', epoch, 'bound', string.format('%.17g', bound))
+  end
+  if f > bound or trials > math.floor(share_of_limit(f)) then
+    redis.call('HSET', k_state, 'frozen', 1)
+    redis.call('HSET', k_gstat, group .. '|frozen', 1)
+    return 0
+  end
+  return math.floor(share_of_limit(bound))
 end
 
 local released, pooled, trials_used, copies, borrowed = 0, 0, 0, 0, 0
@@ -82,8 +112,8 @@ local function release(group)
   local ids = redis.call('LRANGE', g .. ':buf', 0, -1)
   redis.call('DEL', g .. ':buf')
   redis.call('ZREM', k_queue, group)
-  local limit = budget(group)
   local trials = tonumber(redis.call('HGET', k_gstat, group .. '|trials') or '0')
+  local limit = budget(group, trials)
   for _, id in ipairs(ids) do
     local record = cmsgpack.unpack(redis.call('HGET', k_rec, id))
     local value, out, kind = record[4], record[5], 't'

@@ -32,8 +32,11 @@ perturbation of a large group gives away too many trials; SPS
 
 Budgets: ``adaptive`` uses each group's true f (the thesis), ``conservative``
 uses f = 1 (the smallest limit, safe if f drifts), ``none`` is plain uniform
-perturbation for comparison. All randomness is keyed by record id, so a
-repeat reproduces the publication.
+perturbation for comparison. A batch knows every group whole, so adaptive is
+exact here; the stream does not, and its default ``bounded`` budget plans with
+an upper confidence bound on f instead (`service/lua/personal.lua`,
+docs/architecture.md). All randomness is keyed by record id, so a repeat
+reproduces the publication.
 
 Reference: Chao Han, "Sensitive Disclosures under Differential Privacy
 Guarantees", PhD thesis, Simon Fraser University, 2016, chapter 4 (seed 004);
@@ -53,7 +56,11 @@ from service.prf import ServiceKey, keystream64, prf64, to_unit_interval
 from service.schema import SchemaError
 from service.table import Table, distinct_rows
 
+# Budgets of a batch publication, which knows each group's final frequencies.
 BUDGETS = ("adaptive", "conservative", "none")
+# A stream's budgets: `bounded` (the default) plans with an upper confidence bound on a
+# group's final largest frequency, the only one of them both safe and near the batch.
+STREAM_BUDGETS = ("bounded", *BUDGETS)
 
 
 class UniformPerturbation:
@@ -165,6 +172,11 @@ class PersonalGroups:
         budget: str = "adaptive",
         value_map: ValueMap | None = None,
     ) -> None:
+        if budget == "bounded":
+            raise ValueError(
+                "the bounded budget is the stream's: a batch knows each group's final "
+                "frequency, so adaptive is exact here"
+            )
         if budget not in BUDGETS:
             raise ValueError(f"budget must be one of {', '.join(BUDGETS)}, got {budget!r}")
         check_reconstruction_parameters(retention, 2, lam, delta)
