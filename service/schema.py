@@ -296,6 +296,32 @@ class Schema:
                 continue
             for position, i in enumerate(index):
                 seen[position].add(row[i])
+        return cls._from_seen(columns, seen, sensitive, bins)
+
+    @classmethod
+    def scan_values(
+        cls,
+        header: Sequence[str],
+        values: Sequence[Iterable[str]],
+        quasi: Sequence[str],
+        sensitive: Sequence[str],
+        bins: Mapping[str, float | Sequence[float]] | None = None,
+    ) -> Schema:
+        """Like `scan`, from the distinct values of each header column (a columnar reader's)."""
+        bins = dict(bins or {})
+        columns = list(quasi) + list(sensitive)
+        _check_columns(header, quasi, sensitive, bins)
+        seen = [set(values[header.index(c)]) for c in columns]
+        return cls._from_seen(columns, seen, sensitive, bins)
+
+    @classmethod
+    def _from_seen(
+        cls,
+        columns: Sequence[str],
+        seen: Sequence[set[str]],
+        sensitive: Sequence[str],
+        bins: Mapping[str, float | Sequence[float]],
+    ) -> Schema:
         attributes = []
         for position, name in enumerate(columns):
             values = {v for v in seen[position] if v != "" and not _has_undecodable_bytes(v)}

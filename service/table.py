@@ -3,7 +3,9 @@
 A `Table` holds one integer code array per schema attribute plus the source
 line of every row, so any row a mechanism suppresses or trims can be reported
 back by line. Reading never drops a row silently: a row that cannot be encoded
-becomes a `Rejection` with the line and the field.
+becomes a `Rejection` with the line and the field. The csv module's reading
+(`read_rows`) defines what a row is; `read_table` gets the same rows faster from
+Arrow's CSV parser wherever that is certain to split a line the same way.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import csv
 import gzip
 import io
 import math
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -23,6 +26,7 @@ import numpy as np
 from service.schema import Rejection, Schema, SchemaError
 
 SAMPLE_NAME = "adult"
+WRITE_CHUNK = 100_000  # rows joined into one string per write
 
 
 @dataclass
@@ -110,8 +114,7 @@ class RawRows:
     rejections: list[Rejection]
 
 
-def read_rows(stream: TextIO) -> RawRows:
-    reader = csv.reader(stream)
+def _read_header(reader: Iterator[list[str]]) -> list[str]:
     try:
         header = next(reader)
     except StopIteration:
@@ -120,6 +123,13 @@ def read_rows(stream: TextIO) -> RawRows:
         raise SchemaError(f"line 1: malformed header: {err}") from None
     if len(set(header)) != len(header):
         raise SchemaError("line 1: the header names a column twice")
+    return header
+
+
+def read_rows(stream: TextIO) -> RawRows:
+    """Split a CSV row by row with the csv module: the reference every faster reader matches."""
+    reader = csv.reader(stream)
+    header = _read_header(reader)
     rows, lines, rejections = [], [], []
     width = len(header)
     while True:
@@ -183,6 +193,264 @@ def _first_problem(schema: Schema, record: Mapping[str, str], line: int) -> Reje
     raise AssertionError("row flagged as bad has no bad field")
 
 
+@dataclass
+class Columns:
+    """A CSV read column by column: each header column as its distinct strings and
+    each row's index into them, the source line of each row, and the malformed
+    lines rejected (the rows of `RawRows`, stored by column)."""
+
+    header: list[str]
+    values: list[list[str]]
+    indices: list[np.ndarray]
+    lines: np.ndarray
+    rejections: list[Rejection]
+
+    def __len__(self) -> int:
+        return len(self.lines)
+
+    def record(self, position: int) -> dict[str, str]:
+        return {
+            name: self.values[j][self.indices[j][position]] for j, name in enumerate(self.header)
+        }
+
+
+# A line that both the csv module and Arrow's parser (quoting on) split into the
+# same fields: each field either holds no quote, or is wholly quoted with inner
+# quotes doubled and no line break. The quantifiers are possessive: no backtracking.
+_FIELD = rb'(?:"(?:[^"\r\n]++|"")*+"|[^",\r\n]*+)'
+_LINE = _FIELD + rb"(?:," + _FIELD + rb")*+"
+_PLAIN_LINE = re.compile(_LINE)
+_PLAIN_BODY = re.compile(rb"(?:" + _LINE + rb"\r?\n)*+(?:" + _LINE + rb")?+")
+
+
+def read_columns(text: str) -> Columns | None:
+    """CSV text split as `read_rows` splits it, column by column; None where only it can.
+
+    Arrow's CSV parser splits the lines whose every field is either free of double
+    quotes or wholly quoted (inner quotes doubled, no line break inside): on those
+    the csv module and Arrow give the same fields. From each other line with a
+    quote, or one long enough to reach the csv module's field limit, the csv
+    module reads one record itself (over as many lines as its quotes span), so its
+    errors and line numbers are its own. Text with a lone carriage return (a line
+    break only where the file was opened with newline=""), or with characters that
+    are not UTF-8 bytes read with surrogateescape, is left to `read_rows`: None.
+    """
+    data = _utf8(text)
+    if data is None or data.count(b"\r") != data.count(b"\r\n"):
+        return None
+    feed = _Lines(data, 0)
+    header = _read_header(csv.reader(feed))
+    if not header:
+        return None
+    body = data[feed.offset :]
+    if b'"' not in body or _PLAIN_BODY.fullmatch(body):
+        parsed = _split(body, len(header))
+        # Every physical line became a row: no blank line was skipped, no width was wrong.
+        if parsed is not None and len(parsed[1][0]) == body.count(b"\n") + (
+            not body.endswith(b"\n") and len(body) > 0
+        ):
+            values, indices = parsed
+            first = feed.count + 1
+            lines = np.arange(first, first + len(indices[0]), dtype=np.int64)
+            return Columns(header, values, indices, lines, [])
+    return _read_columns_by_line(data, header, feed.count)
+
+
+def _utf8(text: str) -> bytes | None:
+    """The bytes `text` was decoded from (UTF-8, bad bytes as surrogateescape), if any."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        pass
+    try:
+        data = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return None
+    # Escaped bytes that happen to form a valid sequence would decode differently.
+    return data if data.decode("utf-8", "surrogateescape") == text else None
+
+
+class _Lines:
+    """The lines of UTF-8 `data` from byte `offset` on, as text, counted: a csv.reader's input."""
+
+    def __init__(self, data: bytes, offset: int) -> None:
+        self.data, self.offset, self.count = data, offset, 0
+
+    def __iter__(self) -> _Lines:
+        return self
+
+    def __next__(self) -> str:
+        if self.offset >= len(self.data):
+            raise StopIteration
+        end = self.data.find(b"\n", self.offset)
+        end = len(self.data) if end < 0 else end + 1
+        line = self.data[self.offset : end]
+        self.offset, self.count = end, self.count + 1
+        return line.decode("utf-8", "surrogateescape")
+
+
+def _split(body: bytes, width: int) -> tuple[list[list[str]], list[np.ndarray]] | None:
+    """Lines of `width` fields that `_PLAIN_LINE` matches, as (distinct values, indices)
+    per column; None if a line has another width or a field passes the csv field limit.
+    Blank lines are skipped, as the csv module skips them."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.csv as pacsv
+
+    names = [f"f{i}" for i in range(width)]
+    # Arrow takes a byte-order mark at the start of its input for one, where the csv
+    # module keeps it in the field: a first row of placeholders, dropped below, comes first.
+    placeholder = b",".join([b"x"] * width) + b"\n"
+    try:
+        table = pacsv.read_csv(
+            pa.py_buffer(placeholder + body),
+            pacsv.ReadOptions(column_names=names),
+            pacsv.ParseOptions(
+                delimiter=",",
+                quote_char='"',
+                double_quote=True,
+                escape_char=False,
+                newlines_in_values=False,
+                ignore_empty_lines=True,
+            ),
+            pacsv.ConvertOptions(
+                column_types=dict.fromkeys(names, pa.binary()),
+                null_values=[],
+                strings_can_be_null=False,
+                quoted_strings_can_be_null=False,
+                check_utf8=False,
+            ),
+        )
+    except pa.ArrowException:  # a line of another width, mostly
+        return None
+    limit = csv.field_size_limit()
+    values, indices = [], []
+    for name in names:
+        column = table.column(name).combine_chunks()[1:]
+        if len(column) and pc.max(pc.binary_length(column)).as_py() > limit:
+            return None
+        encoded = column.dictionary_encode()
+        values.append(
+            [v.decode("utf-8", "surrogateescape") for v in encoded.dictionary.to_pylist()]
+        )
+        indices.append(encoded.indices.to_numpy(zero_copy_only=False).astype(np.int64))
+    return values, indices
+
+
+def _read_columns_by_line(data: bytes, header: list[str], first: int) -> Columns | None:
+    """`read_columns` line by line: blank, quoted, long and malformed lines found with
+    numpy, the csv module for the records that start on a line `_PLAIN_LINE` does not
+    match or a long one, Arrow for the rest. `first` is the number of lines the header
+    took."""
+    width = len(header)
+    text = np.frombuffer(data, dtype=np.uint8)
+    newlines = np.flatnonzero(text == ord("\n"))
+    starts = np.concatenate(([0], newlines + 1))
+    stops = np.concatenate((newlines, [len(data)]))  # each line's "\n", or the end
+    if starts[-1] == len(data):
+        starts, stops = starts[:-1], stops[:-1]
+    ends = np.minimum(stops + 1, len(data))  # past each line's terminator
+    carriage = np.zeros(len(starts), dtype=bool)
+    inside = stops > starts
+    carriage[inside] = text[stops[inside] - 1] == ord("\r")
+    content = stops - carriage  # where each line's text ends, before "\r\n"
+    blank = content == starts
+    after_header = np.arange(len(starts)) >= first
+
+    quotes = np.flatnonzero(text == ord('"'))
+    quoted = np.searchsorted(quotes, ends) > np.searchsorted(quotes, starts)
+    # Fields of a line `_PLAIN_LINE` matches: one more than its commas outside quotes,
+    # those with an even number of quotes before them on the line.
+    commas = np.flatnonzero(text == ord(","))
+    line_of = np.searchsorted(starts, commas, side="right") - 1
+    before = np.searchsorted(quotes, commas) - np.searchsorted(quotes, starts)[line_of]
+    fields = np.bincount(line_of[before % 2 == 0], minlength=len(starts)) + 1
+
+    to_csv = ends - starts > csv.field_size_limit()
+    check = np.flatnonzero(quoted & after_header & ~to_csv)
+    match = _PLAIN_LINE.fullmatch
+    to_csv[check] = [
+        match(data, a, b) is None
+        for a, b in zip(starts[check].tolist(), content[check].tolist(), strict=True)
+    ]
+    by_csv = np.zeros(len(starts), dtype=bool)
+    rows: list[tuple[int, list[str]]] = []
+    rejections = []
+    for start in np.flatnonzero(to_csv & after_header).tolist():
+        if by_csv[start]:
+            continue  # inside a record the csv module already read
+        feed = _Lines(data, int(starts[start]))
+        reader = csv.reader(feed)
+        try:
+            row = next(reader)
+        except csv.Error as err:
+            rejections.append(
+                Rejection(start + reader.line_num, None, f"malformed CSV line: {err}")
+            )
+        else:
+            if len(row) == width:
+                rows.append((start + reader.line_num, row))
+            else:  # never [], the csv module's blank line: this line is not blank
+                rejections.append(_wrong_width(start + reader.line_num, len(row), width))
+        by_csv[start : start + feed.count] = True
+
+    split = after_header & ~by_csv & ~blank
+    rejections += [
+        _wrong_width(i + 1, int(fields[i]), width)
+        for i in np.flatnonzero(split & (fields != width)).tolist()
+    ]
+    good = split & (fields == width)
+    values: list[list[str]] = [[] for _ in header]
+    indices = [np.zeros(0, dtype=np.int64) for _ in header]
+    if good.any():
+        parsed = _split(text[np.repeat(good, ends - starts)].tobytes(), width)
+        if parsed is None or len(parsed[1][0]) != np.count_nonzero(good):
+            return None  # pragma: no cover - Arrow disagreed with the line count; be exact
+        values, indices = parsed
+    lines = np.flatnonzero(good).astype(np.int64) + 1
+    if rows:
+        lines = np.concatenate((lines, [line for line, _ in rows]))
+        order = np.argsort(lines, kind="stable")
+        lines = lines[order]
+        for j in range(width):
+            lookup = {v: k for k, v in enumerate(values[j])}
+            extra = [lookup.setdefault(row[j], len(lookup)) for _, row in rows]
+            values[j] = list(lookup)
+            indices[j] = np.concatenate((indices[j], np.asarray(extra, dtype=np.int64)))[order]
+    rejections.sort(key=lambda r: r.record)
+    return Columns(header, values, indices, lines, rejections)
+
+
+def _wrong_width(line: int, fields: int, width: int) -> Rejection:
+    return Rejection(line, None, f"malformed CSV line: {fields} fields, the header has {width}")
+
+
+def encode_columns(schema: Schema, columns: Columns) -> tuple[Table, list[Rejection]]:
+    """`encode_rows` for columns: each distinct value is encoded once, and each row
+    with an unusable value becomes the same Rejection."""
+    header = columns.header
+    missing = [a.name for a in schema.attributes if a.name not in header]
+    if missing:
+        raise SchemaError(
+            f"the input has no column {missing[0]!r}; its header is {', '.join(header)}"
+        )
+    codes = {}
+    bad = np.zeros(len(columns), dtype=bool)
+    for attribute in schema.attributes:
+        j = header.index(attribute.name)
+        lookup = np.asarray(attribute.codes_of(columns.values[j]), dtype=np.int32)
+        encoded = lookup[columns.indices[j]] if len(lookup) else np.zeros(0, dtype=np.int32)
+        bad |= encoded < 0
+        codes[attribute.name] = encoded
+    rejections = list(columns.rejections)
+    for position in np.flatnonzero(bad).tolist():
+        line = int(columns.lines[position])
+        rejections.append(_first_problem(schema, columns.record(position), line))
+    rejections.sort(key=lambda r: r.record)
+    table = Table(schema, codes, columns.lines).take(~bad)
+    return table, rejections
+
+
 def read_table(
     stream: TextIO,
     schema: Schema | None = None,
@@ -190,7 +458,37 @@ def read_table(
     sensitive: Sequence[str] = (),
     bins: Mapping[str, float | Sequence[float]] | None = None,
 ) -> tuple[Table, list[Rejection]]:
-    """Read a CSV into a Table, with a given schema or one scanned from the data."""
+    """Read a CSV into a Table, with a given schema or one scanned from the data.
+
+    The text is split by `read_columns` (Arrow's CSV parser where it gives what the
+    csv module would, the csv module elsewhere), so acceptance, line numbers and
+    rejection reasons are those of `read_table_exact`.
+    """
+    try:
+        start = stream.tell() if stream.seekable() else None
+    except OSError:  # a text stream someone has iterated with next() cannot tell
+        start = None
+    text = stream.read()
+    columns = read_columns(text)
+    if columns is None:
+        if start is not None:  # the stream's own line splitting, whatever its newline mode
+            stream.seek(start)
+        else:
+            stream = io.StringIO(text, newline="")
+        return read_table_exact(stream, schema, quasi, sensitive, bins)
+    if schema is None:
+        schema = Schema.scan_values(columns.header, columns.values, quasi, sensitive, bins)
+    return encode_columns(schema, columns)
+
+
+def read_table_exact(
+    stream: TextIO,
+    schema: Schema | None = None,
+    quasi: Sequence[str] = (),
+    sensitive: Sequence[str] = (),
+    bins: Mapping[str, float | Sequence[float]] | None = None,
+) -> tuple[Table, list[Rejection]]:
+    """`read_table` row by row with the csv module: the reference, and the fallback."""
     raw = read_rows(stream)
     if schema is None:
         schema = Schema.scan(raw.header, raw.rows, quasi, sensitive, bins)
@@ -198,11 +496,29 @@ def read_table(
 
 
 def write_table(table: Table, stream: TextIO, order: np.ndarray | None = None) -> None:
-    """Write the schema's columns of `table` (rows in `order`) as CSV text."""
+    """Write the schema's columns of `table` (rows in `order`) as CSV text.
+
+    The text is csv.writer's (minimal quoting, "\\n" line ends): each distinct row is
+    rendered once from its labels, each quoted by csv.writer as it would be in a row.
+    """
     names = table.schema.names
-    columns = [table.labels(n) for n in names]
-    if order is not None:
-        columns = [c[order] for c in columns]
     writer = csv.writer(stream, lineterminator="\n")
     writer.writerow(names)
-    writer.writerows(zip(*columns, strict=True))
+    codes = [table.codes[n] if order is None else table.codes[n][order] for n in names]
+    if len(codes[0]) == 0:  # a schema has at least one (sensitive) column
+        return
+    labels = [[_csv_field(v) for v in table.schema[n].domain] for n in names]
+    rows, inverse, _ = distinct_rows(codes, [table.schema[n].size for n in names])
+    texts = np.array(
+        [",".join(labels[j][c] for j, c in enumerate(row)) + "\n" for row in rows.tolist()],
+        dtype=object,
+    )
+    for start in range(0, len(inverse), WRITE_CHUNK):
+        stream.write("".join(texts[inverse[start : start + WRITE_CHUNK]]))
+
+
+def _csv_field(value: str) -> str:
+    """`value` as csv.writer writes it in a row (quoted only where needed; never empty)."""
+    out = io.StringIO()
+    csv.writer(out, lineterminator="\n").writerow([value])
+    return out.getvalue()[:-1]
