@@ -63,7 +63,7 @@ from service.reconstruct import (
     Reconstruction,
 )
 from service.schema import Attribute, Schema, SchemaError
-from service.table import RawRows, Table, open_text, read_rows
+from service.table import RawRows, Table, open_text, read_columns, read_rows
 
 # The stream mechanisms (`splu demo`, `--url`); batch publication also has the others.
 MECHANISMS = ("decoy", "personal")
@@ -649,6 +649,22 @@ def _rows(text: str, path: str) -> RawRows:
     return raw
 
 
+def published_cells(text: str, path: str) -> PublishedCells:
+    """A published CSV's rows aggregated into cells, each column's domain the values it
+    shows in order of appearance (as `PublishedCells.from_rows`); split by Arrow where it
+    splits as the csv module does (`read_columns`), so a malformed line is refused alike."""
+    columns = read_columns(text)
+    if columns is None:
+        raw = _rows(text, path)
+        return PublishedCells.from_rows(raw.header, raw.rows)
+    if columns.rejections:
+        raise PublicationError(f"{path}: {columns.rejections[0]} (is it a published file?)")
+    if len(set(columns.header)) != len(columns.header):
+        raise PublicationError(f"{path}: a column name appears twice in the header")
+    domains = dict(zip(columns.header, columns.values, strict=True))
+    return PublishedCells.from_codes(columns.header, domains, columns.indices)
+
+
 def _integers(values: Sequence[str], path: str, column: str) -> np.ndarray:
     out = np.empty(len(values), dtype=np.int64)
     for i, value in enumerate(values):
@@ -758,8 +774,8 @@ def load_batch(
                     f"{recorded} (from {params_path})"
                 )
         domains = {name: frozenset(params["domain"][name]) for name in sensitive}
-        raw = _rows(text, published)
         if mechanism in ("anatomy", "fprivacy"):
+            raw = _rows(text, published)
             st_path = beside(published, ST_SUFFIX)
             st_text = _read_text(st_path)
             if _digest(st_text) != params["sha256"]["st"]:
@@ -772,9 +788,9 @@ def load_batch(
             return answers, len(raw.rows), domains
         extra = [EXTRA_COLUMN[mechanism]] if mechanism in EXTRA_COLUMN else []
         header = [*params["quasi"], *sensitive, *extra]
-        if raw.header != header:
+        cells = published_cells(text, published)
+        if cells.columns != header:
             raise PublicationError(f"{published}: expected the columns {', '.join(header)}")
-        cells = PublishedCells.from_rows(raw.header, raw.rows)
         if mechanism == "dbr":
             return DBRReconstruction(cells, sensitive, confidence), cells.total, domains
         name, domain = sensitive[0], list(params["domain"][sensitive[0]])

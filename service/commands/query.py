@@ -37,10 +37,10 @@ from service.publication import (
     log,
     open_input,
     personal_merge_map,
+    published_cells,
     reconstruction_of,
 )
 from service.reconstruct import PublishedCells, Query, QueryError, Reconstruction
-from service.table import read_rows
 
 # Where `splu query --topic` finds Kafka without --bootstrap, as every stream command does.
 BOOTSTRAP_ENV = "KAFKA_BOOTSTRAP"
@@ -260,10 +260,7 @@ def command_query(args: argparse.Namespace) -> int:
                 "name the sensitive column(s) of the published file with --sensitive"
             )
         with open_input(args.published) as stream:
-            raw = read_rows(stream)
-        if raw.rejections:
-            raise CommandError(f"{args.published}: {raw.rejections[0]} (is it a published file?)")
-        cells = PublishedCells.from_rows(raw.header, raw.rows)
+            cells = published_cells(stream.read(), args.published)
         if chosen == "personal":
             personal_merge_map(settings, args.published)
         answerer = reconstruction_of(
