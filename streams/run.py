@@ -77,8 +77,8 @@ def run_stream(
         if published_out is not None and config.mechanism == "windowed":
             raise RunError(
                 "--published-out writes decoy and personal streams; a windowed stream also "
-                f"publishes side messages (ST rows, sub-tables): read {config.topics['published']}"
-                " with a Kafka client"
+                f"publishes side messages (ST rows, sub-tables): answer from "
+                f"{config.topics['published']} with `splu query --topic {config.name}`"
             )
         env = _key_env(config, command)
         print(
@@ -98,28 +98,28 @@ def run_stream(
         url = f"http://127.0.0.1:{port or free_port()}"
         worker = spawn_worker(config_path, envs["worker"], work / "worker.log")
         stack.callback(worker.stop)
-        # The consumer's counts, tests and live page cover decoy and personal streams.
-        counting = config.mechanism != "windowed"
-        if counting:
-            consumer = spawn_consumer(
-                config_path, int(url.rsplit(":", 1)[1]), envs["consumer"], work / "consumer.log"
-            )
-            stack.callback(consumer.stop)
-            print(f"live page: {url}/  (counts, privacy tests, delays; it updates itself)")
-        totals, sent = asyncio.run(_stream(config, input_path, id_column, rate, url, counting))
-        status = _last_report(url, config) if counting else {"standing": [], "tests": []}
-        _summary(config, totals, sent, status)
+        consumer = spawn_consumer(
+            config_path, int(url.rsplit(":", 1)[1]), envs["consumer"], work / "consumer.log"
+        )
+        stack.callback(consumer.stop)
+        print(f"live page: {url}/  (counts, privacy tests, delays; it updates itself)")
+        totals, sent = asyncio.run(_stream(config, input_path, id_column, rate, url))
+        _summary(config, totals, sent, _last_report(url, config))
         if published_out is not None:
             written = asyncio.run(_write_published(config, totals["published"], published_out))
             print(f"published records: {written:,} rows written to {published_out}")
         print(
             f"published records: topic {config.topics['published']} at "
             f"{config.kafka_bootstrap}"
-            + (" (gone when this run ends: use --published-out)" if servers.kafka else "")
+            + (
+                f" (gone when this run ends{'' if config.windowed else ': use --published-out'})"
+                if servers.kafka
+                else ""
+            )
         )
         if afterwards is not None:
             afterwards(config, url)
-        if serve and counting:
+        if serve:
             _serve(url)
     print(f"done in {time.monotonic() - started:.0f} s; every process it started has stopped")
     return 0
@@ -142,7 +142,6 @@ async def _stream(
     id_column: str | None,
     rate: float | None,
     url: str,
-    counting: bool,
 ) -> tuple[dict[str, int], int]:
     """Produce the CSV and show progress until every record is settled (published,
     suppressed, rejected or resting below the floor) and counted; (totals, records sent)."""
@@ -164,11 +163,11 @@ async def _stream(
                 while True:
                     await asyncio.sleep(0.5)
                     totals = await buffer.totals()
-                    counted = await _counted(url) if counting else 0
+                    counted = await _counted(url)
                     sent = producing.result() if producing.done() else None
                     done = totals.get("settled", 0) + totals.get("rejected", 0)
                     finished = sent is not None and done >= sent
-                    finished = finished and (counted >= totals.get("published", 0) or not counting)
+                    finished = finished and counted >= totals.get("published", 0)
                     if live:
                         bar.update(done - bar.n)
                         bar.set_postfix_str(
@@ -222,8 +221,10 @@ def _last_report(url: str, config: StreamConfig) -> dict[str, Any]:
     status = client.status(url)
     counted_at = status["time"]
     while time.monotonic() < deadline:
-        tests = status["tests"]
-        if tests and min(t["time"] for t in tests) >= counted_at:
+        # A windowed stream may have no test that applies: its not-applicable entries say
+        # when the report ran.
+        reported = status["tests"] + status.get("not_applicable", [])
+        if reported and min(t["time"] for t in reported) >= counted_at:
             break
         time.sleep(0.5)
         status = client.status(url)
@@ -244,17 +245,14 @@ def _summary(config: StreamConfig, totals: Mapping[str, int], sent: int, status:
             "together with later records"
         )
     if status["standing"]:
-        print("standing queries (estimate [95% interval] from the published records):")
+        print("standing queries (estimate [95% interval, where the mechanism gives one]):")
         for answer in status["standing"]:
-            print(
-                f"  {answer['name']}: {answer['estimate']:,.1f} "
-                f"[{answer['low']:,.1f}, {answer['high']:,.1f}]"
-            )
-    if status["tests"]:
-        verdicts = ", ".join(
-            f"{t['test']} {'pass' if t['passed'] else 'FAIL'}" for t in status["tests"]
-        )
-        print(f"privacy tests (last report): {verdicts}")
+            interval = f" [{answer['low']:,.1f}, {answer['high']:,.1f}]" if "low" in answer else ""
+            print(f"  {answer['name']}: {answer['estimate']:,.1f}{interval}")
+    verdicts = [f"{t['test']} {'pass' if t['passed'] else 'FAIL'}" for t in status["tests"]]
+    verdicts += [f"{t['test']} n/a" for t in status.get("not_applicable", [])]
+    if verdicts:
+        print(f"privacy tests (last report): {', '.join(verdicts)}")
 
 
 async def _write_published(config: StreamConfig, expected: int, path: Path) -> int:

@@ -42,9 +42,6 @@ from service.windowed import (
 from streams.produce import produce
 from streams.topics import create_topics
 
-# Talks to a Redis-protocol server: .ci/run repeats these against Debian's redis-server.
-pytestmark = pytest.mark.redis
-
 EXAMPLES = Path(__file__).parents[1] / "deploy" / "examples"
 EXAMPLE = "adult-windowed.toml"
 MECHANISMS = ("sdr", "fprivacy", "anatomy", "dbr", "global")
@@ -249,6 +246,7 @@ def test_staged_output_round_trips_with_fresh_tokens():
 # The Lua steps
 
 
+@pytest.mark.redis
 def test_lua_steps_window_stage_and_finish(servers):
     document = example_document()
     document["stream"]["name"] = f"lua{secrets.token_hex(4)}"
@@ -362,6 +360,8 @@ def expected_fields(config: StreamConfig, mechanism: str) -> list[str]:
     return [*names, extra] if extra else names
 
 
+# Whole processes: run once; the Lua steps they drive run on both servers above.
+@pytest.mark.stream
 @pytest.mark.parametrize("mechanism", ["anatomy", "sdr", "dbr"])
 def test_windowed_stream_publishes_each_record_once_through_a_kill(servers, tmp_path, mechanism):
     harness = windowed_harness(servers, tmp_path, mechanism)
