@@ -1,9 +1,13 @@
 """The Redis buffer between the raw and the published topic (SPEC §3).
 
-Per raw partition, all state lives under the prefix ``splu:{<stream>:<partition>}``;
+Per partition, all state lives under the prefix ``splu:{<stream>:<partition>}``;
 the braces make it a Redis Cluster hash tag, so one slot holds a partition's
 keys and every step below is a single atomic Lua call (scripts in
-``service/lua``, registered once):
+``service/lua``, registered once). The partition is the raw topic's, except in a
+personal stream, whose buffers are those of ``<stream>.grouped``, the topic that
+holds each personal group in one partition (`StreamBuffer.grouped_messages`);
+there the raw partition of the same number keeps only the first hop's record of
+ids (``screen``):
 
 - ``ingest``: store a batch idempotently and cut/release every group it
   allows, randomizing members and handing them to the mixing pool; records
@@ -406,6 +410,7 @@ class StreamBuffer(BufferState):
         self._ingest = client.register_script(
             lua_script("fingerprints", "uniforms", "ingest", *helpers, config.mechanism)
         )
+        self._screen = client.register_script(lua_script("fingerprints", "screen"))
         bounds = f"local DELAY_BOUNDS = {_lua_list(DELAY_BOUNDS_MS)}\n"
         self._take = client.register_script(bounds + lua_script("uniforms", "emit"))
         self._acknowledge = client.register_script(lua_script("acknowledge"))
@@ -417,57 +422,105 @@ class StreamBuffer(BufferState):
             settings, m = config.personal, config.schema.sensitive[0].size
             limit = trial_limit(1.0, settings.retention, m, settings.lam, settings.delta)
             self._personal_args = [
-                settings.release_size, settings.budget, int(limit // config.partitions),
-                settings.retention, m, settings.lam, settings.delta, config.partitions,
-                repr(budget_level(config.partitions)),
+                settings.release_size, settings.budget, int(limit), settings.retention, m,
+                settings.lam, settings.delta, repr(budget_level()),
             ]  # fmt: skip
 
     async def ingest(
         self, partition: int, batch: PreparedBatch | None, now_ms: int
     ) -> IngestOutcome:
         """Store a batch (or nothing: a timer tick) and do every cut or release now due."""
-        records = len(batch) if batch is not None else 0
+        if batch is None:
+            return await self._store(partition, None, now_ms)
+        offsets = [b"%d" % m.offset for m in batch.messages]
+        return await self._store(
+            partition,
+            [
+                record + b"|" + offset
+                for record, offset in zip(self._records(batch), offsets, strict=True)
+            ],
+            now_ms,
+        )
+
+    def grouped_messages(self, batch: PreparedBatch) -> list[tuple[bytes, bytes]]:
+        """A personal stream's first hop: each record of a raw batch as a message of
+        <stream>.grouped, keyed by its group, so that every record of a group lands in
+        one partition (`streams.app.partition_of`) and one budget holds the group.
+
+        The value is the record as personal.lua takes it, less the offset: its id and
+        fingerprint, both of its raw partition and dedup key, so a record the first hop
+        sends twice is stored once, then its public codes, group, value and perturbed
+        value. Raw sensitive values: the topic is as private as the raw one.
+        """
+        return list(zip(batch.groups, self._records(batch), strict=True))
+
+    async def ingest_grouped(
+        self, partition: int, messages: list[tuple[int, bytes]], now_ms: int
+    ) -> IngestOutcome:
+        """A personal stream's second hop: store (grouped offset, `grouped_messages`
+        value) pairs of one partition of <stream>.grouped, and release what is due."""
+        return await self._store(
+            partition, [value + b"|%d" % offset for offset, value in messages], now_ms
+        )
+
+    async def screen(self, batch: PreparedBatch) -> list[int]:
+        """A personal stream's first hop: the positions in a raw batch of the records whose
+        id its raw partition already stored with other content (`screen.lua`)."""
+        prefix = self.prefix(batch.partition)
+        args = [
+            fingerprint + b"%d" % m.offset
+            for fingerprint, m in zip(batch.fingerprints, batch.messages, strict=True)
+        ]
+        found = await self._screen(keys=[prefix], args=args)
+        await self.replication.confirm(prefix)
+        return [int(r) - 1 for r in found]
+
+    async def _store(
+        self, partition: int, records: list[bytes] | None, now_ms: int
+    ) -> IngestOutcome:
+        """One ingest step on a partition: `records` are the script's record arguments, each
+        ending in its offset in the consumed topic (None: a timer tick)."""
         max_wait, ttl = int(self.config.max_wait * 1000), self._ttl
+        count = len(records or [])
         if self.config.decoy is not None:
             w = len(self.config.sensitive)
             seed = f"{self._seed_key}:{partition}"
-            args: list = [now_ms, max_wait, self.config.decoy.gamma, w, seed, ttl, records]
+            args: list = [now_ms, max_wait, self.config.decoy.gamma, w, seed, ttl, count]
         else:
-            args = [now_ms, max_wait, *self._personal_args, ttl, records]
-        if batch is not None:
-            # One argument per record: id (32 hex digits), fingerprint (12 bytes), then
-            # '|'-separated fields, the raw offset last.
-            args += [
-                record_id + fingerprint + fields
-                for record_id, fingerprint, fields in zip(
-                    batch.id_bytes(), batch.fingerprints, self._fields(batch), strict=True
-                )
-            ]
-        result = await self._ingest(keys=[self.prefix(partition)], args=args)
-        if batch is not None:
+            args = [now_ms, max_wait, *self._personal_args, ttl, count]
+        result = await self._ingest(keys=[self.prefix(partition)], args=args + (records or []))
+        if records is not None:
             await self.replication.confirm(self.prefix(partition))
-        statuses = [0] * records
+        statuses = [0] * count
         for position in range(2, len(result), 2):
             statuses[int(result[position]) - 1] = int(result[position + 1])
         return IngestOutcome(statuses, int(result[0]), int(result[1]))
 
-    def _fields(self, batch: PreparedBatch) -> list[bytes]:
+    def _records(self, batch: PreparedBatch) -> list[bytes]:
+        """Each record as the ingest script takes it, less its offset: id (32 hex digits),
+        fingerprint (12 bytes), then '|'-separated fields."""
         sensitive = batch.sensitive.tolist()
-        offsets = [b"%d" % m.offset for m in batch.messages]
         if self.config.decoy is not None:
-            return [
-                b"|".join([public, _csv(values), _csv(draws), offset])
-                for public, values, draws, offset in zip(
-                    batch.public, sensitive, batch.draws.tolist(), offsets, strict=True
+            fields = [
+                b"|".join([public, _csv(values), _csv(draws)])
+                for public, values, draws in zip(
+                    batch.public, sensitive, batch.draws.tolist(), strict=True
                 )
             ]
+        else:
+            fields = [
+                b"|".join([public, group, b"%d" % values[0], b"%d" % perturbed])
+                for public, group, values, perturbed in zip(
+                    batch.public, batch.groups, sensitive, batch.perturbed.tolist(),
+                    strict=True,
+                )
+            ]  # fmt: skip
         return [
-            b"|".join([public, group, b"%d" % values[0], b"%d" % perturbed, offset])
-            for public, group, values, perturbed, offset in zip(
-                batch.public, batch.groups, sensitive, batch.perturbed.tolist(), offsets,
-                strict=True,
+            record_id + fingerprint + record
+            for record_id, fingerprint, record in zip(
+                batch.id_bytes(), batch.fingerprints, fields, strict=True
             )
-        ]  # fmt: skip
+        ]
 
     async def take(self, partition: int, now_ms: int, limit: int) -> list[tuple[str, bytes]]:
         """Records due for publication by the mixing rule, each under a fresh random token:

@@ -2,6 +2,7 @@
 
     [stream]
     name = "adult"               # topics: adult.raw, adult.published, adult.rejected, adult.reports
+                                 # (personal: also adult.grouped, internal, see below)
     mechanism = "decoy"          # or "personal", or "windowed" (a batch mechanism per window)
     partitions = 4               # of every topic; one worker can own several
     max_wait = 30.0              # seconds a record may wait for its group
@@ -119,6 +120,10 @@ WINDOWED_MECHANISMS = ("sdr", "fprivacy", "anatomy", "dbr", "global")
 # [redis] options naming TLS files, and the redis-py argument each becomes.
 TLS_FILES = {"ca_file": "ssl_ca_certs", "cert_file": "ssl_certfile", "key_file": "ssl_keyfile"}
 TOPIC_ROLES = ("raw", "published", "rejected", "reports")
+# A personal stream's internal topic: its raw records, validated and repartitioned by
+# personal group, so that each group has one owner and one trial budget (issue 15). It
+# holds raw sensitive values: it is as private as the raw topic.
+GROUPED_ROLE = "grouped"
 # The mixing pool's floor holds at least this many groups (SPEC §3; docs/architecture.md).
 MIN_MIXING_GROUPS = 10
 # Seconds: a record TTL shorter than this could expire records while partitions move.
@@ -384,10 +389,11 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
     if not isinstance(topics_table, Mapping):
         raise stream.fail("topics", "must be a table")
     topics_reader = _Reader(source, topics_table, "stream.topics")
-    topics = {role: topics_reader.text(role, f"{name}.{role}") for role in TOPIC_ROLES}
+    roles = TOPIC_ROLES + (GROUPED_ROLE,) * (mechanism == "personal")
+    topics = {role: topics_reader.text(role, f"{name}.{role}") for role in roles}
     topics_reader.finish()
     if len(set(topics.values())) != len(topics):
-        raise stream.fail("topics", "must name four different topics")
+        raise stream.fail("topics", f"must name {len(topics)} different topics")
     settings = {
         "partitions": stream.integer("partitions", 4),
         "max_wait": stream.number("max_wait", 30.0),
@@ -464,7 +470,7 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
     elif mechanism == "windowed":
         windowed = _windowed_settings(source, document, schema)
     else:
-        personal = _personal_settings(source, document, schema, base, settings["partitions"])
+        personal = _personal_settings(source, document, schema, base)
 
     reports = _report_settings(source, document, mechanism, schema)
     if reports.truth_retention < 2 * settings["report_interval"]:
@@ -700,7 +706,7 @@ def _windowed_settings(
 
 
 def _personal_settings(
-    source: str, document: Mapping[str, Any], schema: Schema, base: Path, partitions: int
+    source: str, document: Mapping[str, Any], schema: Schema, base: Path
 ) -> PersonalSettings:
     table = _table(source, document, "personal", required=True)
     assert table is not None
@@ -727,12 +733,11 @@ def _personal_settings(
     except ValueError as err:
         raise ConfigError(f"{source}: personal (retention, lambda, delta): {err}") from None
     smallest = float(trial_limit(1.0, retention, attribute.size, lam, delta))
-    if budget != "none" and smallest < partitions:
-        # Each partition grants a group s_g / partitions trials, at least one.
+    if budget != "none" and smallest < 1:
+        # A group's copies repeat its trials: it needs at least one.
         raise ConfigError(
-            f"{source}: personal.lambda: a group may hold {smallest:.1f} trials, fewer than "
-            f"stream.partitions = {partitions}: lower retention or lambda, raise delta, or "
-            f"use fewer partitions"
+            f"{source}: personal.lambda: a group may hold {smallest:.2f} trials, fewer than "
+            f"one: lower retention or lambda, or raise delta"
         )
     if map_name is None:
         return PersonalSettings(

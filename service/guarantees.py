@@ -216,18 +216,18 @@ def budget_epoch(records: int) -> int:
     return max(int(records), 1).bit_length() - 1
 
 
-def budget_level(partitions: int = 1, confidence: float = BUDGET_CONFIDENCE) -> float:
-    """α = (1 − confidence) / partitions: each partition's share of a group's level."""
-    return (1.0 - confidence) / partitions
+def budget_level(confidence: float = BUDGET_CONFIDENCE) -> float:
+    """α = 1 − confidence: a group's level, whole, since one partition holds the group."""
+    return 1.0 - confidence
 
 
-def epoch_level(epoch: int, partitions: int = 1, confidence: float = BUDGET_CONFIDENCE) -> float:
+def epoch_level(epoch: int, confidence: float = BUDGET_CONFIDENCE) -> float:
     """α_e = α / ((e + 1)(e + 2)): the level of the bound planned in epoch e.
 
-    Σ_e 1/((e + 1)(e + 2)) = 1, so the bounds of every epoch of every partition's
-    share of a group hold together with probability at least `confidence`.
+    Σ_e 1/((e + 1)(e + 2)) = 1, so the bounds of every epoch of a group hold together
+    with probability at least `confidence`.
     """
-    return budget_level(partitions, confidence) / ((epoch + 1) * (epoch + 2))
+    return budget_level(confidence) / ((epoch + 1) * (epoch + 2))
 
 
 def share_upper_bound(

@@ -3,7 +3,7 @@
 A raw message is a JSON object of attribute values; its Kafka key, if any, is
 the producer's record id. Each accepted record gets:
 
-- a *dedup key*: ``k:<producer id>``, else ``o:<offset>`` (per partition), so
+- a *dedup key*: ``k:<producer id>``, else ``o:<offset>`` (per raw partition), so
   a redelivered record is recognised and stored once, at any age;
 - a *fingerprint*, what Redis keeps of it for the life of the stream: a keyed
   64-bit hash of the dedup key (2 bytes pick a bucket, 6 are stored) and a keyed
@@ -240,6 +240,15 @@ class Preparer:
         """A batch of validated records (`codes` in schema order) with their dedup keys, ids
         and fingerprints, and no randomization inputs yet."""
         dedup_keys = [b"k:" + m.key if m.key else b"o:%d" % m.offset for m in messages]
+        # A personal stream stores a record in the partition of its group
+        # (`service.buffer.StreamBuffer.grouped_messages`), where records of every raw
+        # partition meet: there a fingerprint names the raw partition too, as the id does,
+        # or "o:<offset>" of two raw partitions would pass for one record.
+        named = (
+            [b"%d:" % partition + d for d in dedup_keys]
+            if self.config.personal is not None
+            else dedup_keys
+        )
         return PreparedBatch(
             partition=partition,
             messages=messages,
@@ -251,7 +260,7 @@ class Preparer:
             fingerprints=[
                 hashlib.blake2b(dedup, digest_size=8, key=self._fingerprint_key).digest()
                 + hashlib.blake2b(row.tobytes(), digest_size=4, key=self._digest_key).digest()
-                for dedup, row in zip(dedup_keys, codes, strict=True)
+                for dedup, row in zip(named, codes, strict=True)
             ],
             ids=ids_for(self.key, [b"%d:" % partition + d for d in dedup_keys]),
             public=[b",".join(b"%d" % c for c in row) for row in codes[:, self._public].tolist()],

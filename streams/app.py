@@ -8,6 +8,10 @@ One agent per concern:
   the Redis buffer, which stores, groups and randomizes in one Lua step. The
   fetch's offsets are committed only after Redis (with fsync on every write)
   has the batch: a crash replays it, and the buffer recognises the replay.
+  A personal stream takes two hops, so that each personal group has one owner
+  and one trial budget (issue 15): validated raw records go, keyed by group,
+  to the internal ``<stream>.grouped``, and the records of each of its
+  partitions to the buffer (`add_ingest`).
 - ``emit`` (timer, `Emitter`) moves records from each owned partition's mixing
   pool to the published topic under fresh tokens by the mixing rule (only the
   excess over the pool's floor, uniformly drawn and shuffled; a quiet pool
@@ -65,6 +69,7 @@ RETRY_CEILING = 5.0  # seconds between retries while Redis or Kafka is away
 TRANSIENT = (RedisError, RedisClusterException, KafkaError, OSError, asyncio.TimeoutError)
 EMIT_CHUNK = 20_000  # records per take from one pool: a backlog leaves in few Redis calls
 TICK_INTERVAL = 1.0  # seconds between time-driven steps
+REUSED_ID = "record id already used with different content"
 
 
 def now_ms() -> int:
@@ -263,7 +268,8 @@ async def worker_document(buffer: BufferState, partitions: Iterable[int]) -> dic
 
 
 def add_metrics_page(app: faust.App, raw: faust.TopicT, buffer: BufferState) -> None:
-    """/metrics: `worker_document` for the partitions of `raw` this worker owns now, in the
+    """/metrics: `worker_document` for the partitions of `raw` (the topic whose partitions
+    the buffers are) this worker owns now, in the
     Prometheus text format; 503 while Redis does not answer, which Prometheus counts as the
     target being down."""
 
@@ -281,7 +287,7 @@ def add_metrics_page(app: faust.App, raw: faust.TopicT, buffer: BufferState) -> 
 
 
 def assigned_partitions(app: faust.App, raw: faust.TopicT) -> set[int]:
-    """The raw partitions this worker owns now."""
+    """The partitions of `raw` (or any topic) this worker owns now."""
     return {tp.partition for tp in app.consumer.assignment() if tp.topic == raw.get_topic_name()}
 
 
@@ -373,10 +379,26 @@ def add_ingest(
     preparer: Preparer,
     buffer: Any,
     publisher: Publisher,
+    grouped: faust.TopicT | None = None,
 ) -> None:
     """The ingest agent every worker shares: validate a batch, store it idempotently in one
     Lua call per partition (`buffer.ingest`), send rejections, and hold the consumer while a
-    partition's buffer is at its cap."""
+    partition's buffer is at its cap.
+
+    With `grouped` (a personal stream) in two hops, both consumed here:
+
+    1. a raw batch is validated and screened for ids reused with other content (which only
+       the raw partition can see, `buffer.screen`), and its other records are sent to
+       `grouped` keyed by their personal group (`buffer.grouped_messages`), so each group
+       lives in one partition and its trial budget is never split. The raw offsets are
+       committed once the broker acknowledged every copy (acks=all). A crash before that
+       sends them again: their id and fingerprint are of the raw record, so the second
+       hop recognises the copies;
+    2. a batch of `grouped` is stored as a raw batch would be (`buffer.ingest_grouped`),
+       in its partition's buffer, and its offsets are committed once Redis has it.
+    """
+    raw_name = raw.get_topic_name()
+    grouped_name = grouped.get_topic_name() if grouped is not None else None
 
     async def reject(rejected: list[Rejected]) -> None:
         await publisher.send_all(
@@ -385,6 +407,16 @@ def add_ingest(
         for r in rejected:
             where = f"{r.message.partition}/{r.message.offset}"
             log.warning("rejected %s: %s", where, r.rejection.reason)
+
+    async def send_rejections(rejected: list[Rejected]) -> None:
+        if rejected:
+            await retrying("sending rejections", reject, rejected)
+            counts = Counter(r.message.partition for r in rejected)
+            await retrying("counting rejections", buffer.count_rejected, counts)
+
+    def reused(message: RawMessage) -> Rejected:
+        where = f"{message.partition}/{message.offset}"
+        return Rejected(message, Rejection(where, None, REUSED_ID))
 
     async def store(
         batches: list[PreparedBatch], rejected: list[Rejected]
@@ -398,14 +430,48 @@ def add_ingest(
         for batch, outcome in zip(batches, outcomes, strict=True):
             for message, status in zip(batch.messages, outcome.statuses, strict=True):
                 if status == 2:
-                    where = f"{message.partition}/{message.offset}"
-                    reason = "record id already used with different content"
-                    rejected.append(Rejected(message, Rejection(where, None, reason)))
-        if rejected:
-            await retrying("sending rejections", reject, rejected)
-            counts = Counter(r.message.partition for r in rejected)
-            await retrying("counting rejections", buffer.count_rejected, counts)
+                    rejected.append(reused(message))
+        await send_rejections(rejected)
         return [(b.partition, o.pending + o.pool) for b, o in zip(batches, outcomes, strict=True)]
+
+    async def forward(batches: list[PreparedBatch], rejected: list[Rejected]) -> None:
+        """The first hop: screen raw batches, send their other records to the grouped topic
+        and await every ack, then send the rejections."""
+        assert grouped_name is not None
+        screened = await asyncio.gather(
+            *(retrying("screening a batch", buffer.screen, batch) for batch in batches)
+        )
+        messages = []
+        for batch, positions in zip(batches, screened, strict=True):
+            rejected += [reused(batch.messages[i]) for i in positions]
+            skip = set(positions)
+            messages += [m for i, m in enumerate(buffer.grouped_messages(batch)) if i not in skip]
+        # A retry may send some twice: the second hop stores each record once.
+        await retrying("forwarding records", publisher.send_all, grouped_name, messages)
+        await send_rejections(rejected)
+
+    async def store_grouped(
+        fetched: list[tuple[TP, list[ConsumerRecord]]],
+    ) -> list[tuple[int, int]]:
+        """The second hop: store each partition's records of the grouped topic; (partition,
+        records held) per partition."""
+        now = now_ms()
+        offered = [(tp.partition, [(m.offset, m.value) for m in ms]) for tp, ms in fetched]
+        outcomes = await asyncio.gather(
+            *(retrying("storing a batch", buffer.ingest_grouped, p, o, now) for p, o in offered)
+        )
+        for (tp, records), outcome in zip(fetched, outcomes, strict=True):
+            for message, status in zip(records, outcome.statuses, strict=True):
+                if status == 2:
+                    # The first hop lets no reused id through: only a collision of 64-bit
+                    # fingerprints gets here. Counted in `conflicts`; the raw record stays
+                    # on the raw topic.
+                    log.error(
+                        "%s %d/%d: %s; not stored", grouped_name, tp.partition, message.offset,
+                        REUSED_ID,
+                    )  # fmt: skip
+        held = zip(fetched, outcomes, strict=True)
+        return [(tp.partition, outcome.pending + outcome.pool) for (tp, _), outcome in held]
 
     # Fetches are prepared as they come (one may be prepared while the previous one is
     # being stored) but stored one after another, in the order of their offsets.
@@ -414,19 +480,27 @@ def add_ingest(
     async def ingest(fetched: Mapping[TP, list[ConsumerRecord]]) -> None:
         messages = [
             RawMessage(m.partition, m.offset, m.key, m.value)
-            for records in fetched.values()
+            for tp, records in fetched.items()
+            if tp.topic == raw_name
             for m in records
         ]
         prepared = preparer.prepare(messages)
         async with in_order:
-            for partition, held in await store(*prepared):
-                while held >= config.buffer_cap:
+            if grouped is None:
+                held = await store(*prepared)
+            else:
+                await forward(*prepared)
+                held = await store_grouped(
+                    [(tp, records) for tp, records in fetched.items() if tp.topic == grouped_name]
+                )
+            for partition, records in held:
+                while records >= config.buffer_cap:
                     # Backpressure: hold the consumer until time or publication frees room.
                     await asyncio.sleep(config.batch_wait)
                     tick = await retrying("ticking", buffer.ingest, partition, None, now_ms())
-                    held = tick.pending + tick.pool
+                    records = tick.pending + tick.pool
 
-    consume_in_bulk(app, raw, ingest)
+    consume_in_bulk(app, ingest, *(t for t in (raw, grouped) if t is not None))
 
 
 def create_app(
@@ -439,6 +513,14 @@ def create_app(
         config.topics["raw"], partitions=config.partitions, value_serializer="raw",
         key_serializer="raw",
     )  # fmt: skip
+    grouped = None
+    if config.personal is not None:
+        grouped = app.topic(
+            config.topics["grouped"], partitions=config.partitions, value_serializer="raw",
+            key_serializer="raw",
+        )  # fmt: skip
+    # The topic whose partitions the Redis buffers are: a personal stream's are its groups'.
+    buffered = grouped or raw
     publisher = Publisher(config.kafka_bootstrap, loop=app.loop)
     app.add_dependency(publisher)
     preparer = Preparer(config, key)
@@ -449,21 +531,22 @@ def create_app(
 
     @app.on_partitions_assigned.connect
     async def on_assigned(sender: object, assigned: set, **kwargs: object) -> None:
-        emitter.assigned({tp.partition for tp in assigned if tp.topic == raw.get_topic_name()})
+        name = buffered.get_topic_name()
+        emitter.assigned({tp.partition for tp in assigned if tp.topic == name})
 
-    add_ingest(app, raw, config, preparer, buffer, publisher)
-    add_health_pages(app, raw, client, publisher)
-    add_metrics_page(app, raw, buffer)
+    add_ingest(app, raw, config, preparer, buffer, publisher, grouped)
+    add_health_pages(app, buffered, client, publisher)
+    add_metrics_page(app, buffered, buffer)
 
     @app.timer(interval=EMIT_INTERVAL)
     async def emit() -> None:
         if await pause.holding():
             return
-        await emitter.round(assigned_partitions(app, raw), now_ms())
+        await emitter.round(assigned_partitions(app, buffered), now_ms())
 
     @app.timer(interval=TICK_INTERVAL)
     async def tick() -> None:
-        for partition in sorted(assigned_partitions(app, raw)):
+        for partition in sorted(assigned_partitions(app, buffered)):
             try:
                 await buffer.ingest(partition, None, now_ms())
             except TRANSIENT as err:

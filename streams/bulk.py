@@ -37,6 +37,9 @@ EXIT_UNSTORED = 75  # EX_TEMPFAIL: a batch could not be stored; it will be redel
 # A fault point for the tests: with N set, the process ends right after handling its Nth
 # fetch, before committing it, the window a crash of the bulk path is most likely to hit.
 FAULT_EXIT_BEFORE_COMMIT = "SPLU_FAULT_EXIT_BEFORE_COMMIT"
+# With a topic name set too, only fetches holding records of that topic count: a personal
+# stream's worker can be stopped between its two hops (`streams.app.add_ingest`).
+FAULT_TOPIC = "SPLU_FAULT_TOPIC"
 EXIT_FAULT = 70
 FETCH_TIMEOUT = 1.0  # seconds one fetch waits for records
 FETCHES_IN_HAND = 2  # fetches handled at once, so that CPU and Redis work overlap
@@ -51,6 +54,7 @@ class BulkConsumer(faust_aiokafka.Consumer):
     async def _drain_messages(self, fetcher: ServiceT) -> None:
         handle: BulkHandler = self.transport.bulk_handler  # type: ignore[attr-defined]
         fetches_before_fault = int(os.environ.get(FAULT_EXIT_BEFORE_COMMIT, "0"))
+        fault_topic = os.environ.get(FAULT_TOPIC)
         # Fetches being handled, oldest first: the next fetch's CPU work (parsing,
         # validation) runs while the previous one waits on Redis. Each is committed only
         # after it and every older one were handled.
@@ -60,7 +64,8 @@ class BulkConsumer(faust_aiokafka.Consumer):
                 while handling and (len(handling) >= FETCHES_IN_HAND or handling[0][0].done()):
                     task, offsets = handling.popleft()
                     await task
-                    if fetches_before_fault:
+                    counts = fault_topic is None or any(tp.topic == fault_topic for tp in offsets)
+                    if fetches_before_fault and counts:
                         fetches_before_fault -= 1
                         if not fetches_before_fault:
                             log.critical("fault point: exiting before a commit")
@@ -111,10 +116,12 @@ class BulkTransport(faust_aiokafka.Transport):
         self.bulk_handler = handle
 
 
-def consume_in_bulk(app: faust.App, topic: faust.TopicT, handle: BulkHandler) -> None:
-    """Subscribe `app` to `topic` and hand every fetch of it to `handle`, partition by
-    partition, committing each fetch once the handler returned. The app's only topic."""
+def consume_in_bulk(app: faust.App, handle: BulkHandler, *topics: faust.TopicT) -> None:
+    """Subscribe `app` to `topics` and hand every fetch of them to `handle`, partition by
+    partition (a fetch may hold records of each topic), committing each fetch once the
+    handler returned. The app's only topics."""
     if app._consumer is not None:  # type: ignore[attr-defined]
         raise RuntimeError("consume_in_bulk must come before the app's consumer exists")
     app.transport = BulkTransport(app, handle)
-    app.topics.add(topic)
+    for topic in topics:
+        app.topics.add(topic)

@@ -441,7 +441,7 @@ def create_consumer_app(config: StreamConfig, datadir: Path, host: str, port: in
     )
     page = resources.files("streams").joinpath("static", "index.html").read_text()
 
-    consume_in_bulk(app, published, consumer.count)
+    consume_in_bulk(app, consumer.count, published)
     add_health_pages(app, published, client, publisher)
 
     async def guarded(what: str, step) -> None:  # type: ignore[no-untyped-def]

@@ -22,10 +22,10 @@ STARTUP_PATIENCE = 5.0
 
 
 def ensure_ready(config: StreamConfig) -> None:
-    """Create the stream's four topics with its partition count and its manifest topic, if
-    missing, and check that Redis answers the stream's user: errors here are one line, not a
-    retry loop. A server that is restarting gets STARTUP_PATIENCE seconds to come back; a
-    refusal fails at once."""
+    """Create the stream's topics (a personal stream's <stream>.grouped too) with its
+    partition count and its manifest topic, if missing, and check that Redis answers the
+    stream's user: errors here are one line, not a retry loop. A server that is
+    restarting gets STARTUP_PATIENCE seconds to come back; a refusal fails at once."""
     manifest, settings = manifest_topics(config)
     deadline = time.monotonic() + STARTUP_PATIENCE
     while True:

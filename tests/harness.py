@@ -12,6 +12,7 @@ import secrets
 import time
 import tomllib
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import redis.asyncio as aioredis
@@ -21,9 +22,11 @@ from aiokafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssigno
 from aiokafka.errors import KafkaError
 
 from deploy.embedded import free_port, spawn_consumer, spawn_worker
-from service.buffer import BufferState
+from service.buffer import BufferState, IngestOutcome, StreamBuffer
 from service.config import StreamConfig, load_config
+from service.ingest import PreparedBatch
 from service.table import open_sample
+from streams.app import partition_of
 
 EXAMPLES = Path(__file__).parents[1] / "deploy" / "examples"
 RECORDS = 20_000
@@ -271,3 +274,25 @@ def adult_rows(config: StreamConfig) -> list[tuple[bytes, bytes]]:
         )
         for i, record in enumerate(rows)
     ]
+
+
+class GroupedHops:
+    """A personal stream's two hops without Kafka (`streams.app.add_ingest`): each record of
+    a raw batch goes to the partition of its group, as the worker keys it, at the next
+    offset there, and is stored in that partition's buffer."""
+
+    def __init__(self, buffer: StreamBuffer) -> None:
+        self.buffer = buffer
+        self.offsets: Counter[int] = Counter()
+
+    async def store(self, batch: PreparedBatch, now: int) -> dict[int, IngestOutcome]:
+        """The outcome of each grouped partition the batch reached."""
+        by_partition: dict[int, list[tuple[int, bytes]]] = {}
+        for key, value in self.buffer.grouped_messages(batch):
+            partition = partition_of(key, self.buffer.config.partitions)
+            by_partition.setdefault(partition, []).append((self.offsets[partition], value))
+            self.offsets[partition] += 1
+        return {
+            partition: await self.buffer.ingest_grouped(partition, messages, now)
+            for partition, messages in sorted(by_partition.items())
+        }

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
-from harness import RECORDS, TIMEOUT, Harness, adult_rows
+from harness import RECORDS, TIMEOUT, GroupedHops, Harness, adult_rows
 from scipy import stats
 
 from service.buffer import BufferState, StreamBuffer, lua_script
@@ -68,11 +68,12 @@ def personal_config(budget_mode: str, partitions: int = 2) -> StreamConfig:
 async def run_lua(
     config: StreamConfig, rows: list[dict], url: str, first: int = 0, size: int = 500
 ) -> dict[str, dict[str, int]]:
-    """Rows (raw offsets from `first`, partition = offset mod partitions) through
-    personal.lua at a virtual clock, then every group released after max_wait; the
+    """Rows (raw offsets from `first`, partition = offset mod partitions) through both
+    hops to personal.lua at a virtual clock, then every group released after max_wait; the
     groups' tallies the consumer's budget test reads."""
     client = aioredis.from_url(url)
     buffer, preparer = StreamBuffer(client, config, KEY), Preparer(config, KEY)
+    hops = GroupedHops(buffer)
     names = config.schema.names
     messages = [
         RawMessage(i % config.partitions, i, None, json.dumps({n: r[n] for n in names}).encode())
@@ -83,7 +84,7 @@ async def run_lua(
         prepared, rejected = preparer.prepare(messages[start : start + size])
         assert not rejected
         for batch in prepared:
-            await buffer.ingest(batch.partition, batch, now)
+            await hops.store(batch, now)
         now += 100
     for partition in range(config.partitions):
         await buffer.ingest(partition, None, now + int(config.max_wait * 1000))
@@ -135,7 +136,7 @@ def test_lua_bound_is_the_python_bound(servers):
 def test_epochs_share_the_level():
     assert [budget_epoch(n) for n in (1, 2, 3, 4, 1023, 1024)] == [0, 1, 1, 2, 9, 10]
     assert sum(epoch_level(e) for e in range(10_000)) == pytest.approx(1e-3, rel=1e-3)
-    assert epoch_level(3, partitions=4) == pytest.approx(1e-3 / 4 / 20)
+    assert epoch_level(3) == pytest.approx(1e-3 / 20)
 
 
 @pytest.mark.redis

@@ -2,10 +2,10 @@
 its offsets were committed loses nothing and randomizes nothing twice.
 
 The worker ends at the fault point `SPLU_FAULT_EXIT_BEFORE_COMMIT` (after handling its
-third fetch, before committing it), so Redis holds records whose offsets the group never
-committed. A second worker reads them again from the committed offsets: the buffer
-recognises every one (`replayed`), and each record is published once, under one token,
-or suppressed.
+third fetch of the topic Redis stores from, before committing it), so Redis holds records
+whose offsets the group never committed. A second worker reads them again from the
+committed offsets: the buffer recognises every one (`replayed`), and each record is
+published once, under one token, or suppressed.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 from harness import RECORDS, TIMEOUT, Harness, adult_rows
 
 from deploy.embedded import spawn_worker
-from streams.bulk import EXIT_FAULT, FAULT_EXIT_BEFORE_COMMIT
+from streams.bulk import EXIT_FAULT, FAULT_EXIT_BEFORE_COMMIT, FAULT_TOPIC
 from streams.produce import produce
 from streams.topics import create_topics
 
@@ -33,7 +33,10 @@ def test_a_kill_between_store_and_commit_loses_and_rerandomizes_nothing(servers,
     asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
     # Produced first: the worker's fetches are full, so the lost commit covers a batch.
     asyncio.run(produce(config, iter(adult_rows(config)), progress=False))
-    faulty = spawn_worker(harness.path, {**harness.env, FAULT_EXIT_BEFORE_COMMIT: "3"}, harness.log)
+    # The topic Redis stores from: a personal stream's second hop reads <stream>.grouped.
+    stored = config.topics["grouped" if config.personal is not None else "raw"]
+    fault = {FAULT_EXIT_BEFORE_COMMIT: "3", FAULT_TOPIC: stored}
+    faulty = spawn_worker(harness.path, {**harness.env, **fault}, harness.log)
     deadline = time.monotonic() + TIMEOUT
     while faulty.running and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -44,7 +47,7 @@ def test_a_kill_between_store_and_commit_loses_and_rerandomizes_nothing(servers,
         totals = await harness.totals(client)
         await client.aclose()
         group = f"splu-{config.name}"
-        committed = await harness.committed_offsets(config.topics["raw"], group)
+        committed = await harness.committed_offsets(stored, group)
         return totals, sum(offset or 0 for offset in committed.values())
 
     at_crash, committed = asyncio.run(crashed())

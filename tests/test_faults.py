@@ -11,8 +11,9 @@ Afterwards:
   (`Preparer`). A decoy record's group is visible only inside Redis: in snapshots of
   the pools and in-flight hashes, and in the server's MONITOR feed, which shows the
   pool entries the Lua steps write, group values included. A personal stream's
-  publication follows from the key and the raw order alone (trials while the group's
-  fixed budget lasts, then copies in turn), so it is recomputed for every record;
+  publication follows from the key and the order of ``<stream>.grouped`` alone (trials
+  while the group's fixed budget lasts, then copies in turn), so it is recomputed for
+  every record;
 - the consumer's cell counts equal the published topic's distinct tokens.
 
 The producer sends at 4,000 records/s once the first worker consumes: a worker takes
@@ -21,6 +22,10 @@ producer runs and the others while the restarted workers catch up.
 
 Then the worker's consumer group is rewound to offset 0 on `<stream>.raw`: the whole
 topic comes again, nothing new is published and `redelivered` grows by its size.
+
+A personal stream takes two hops (``<stream>.raw`` → ``<stream>.grouped`` → Redis);
+`test_a_kill_between_the_hops_loses_duplicates_and_rerandomizes_nothing` stops its worker
+right after each hop, before the hop's offsets are committed.
 
 SPLU_FAULT_SEED changes the seeded fault plan; each run prints its faults and counts
 (visible with -s).
@@ -42,13 +47,14 @@ import redis.asyncio as aioredis
 from harness import RECORDS, Harness, adult_rows
 from redis.exceptions import RedisError
 
-from deploy.embedded import HOST, RedisServer
+from deploy.embedded import HOST, RedisServer, spawn_worker
 from service import client as consumer_client
 from service.buffer import BufferState, PoolEntry
 from service.config import StreamConfig
 from service.guarantees import trial_limit
 from service.ingest import Preparer, RawMessage
 from service.running_counts import CellCodec, RunningCounts
+from streams.bulk import EXIT_FAULT, FAULT_EXIT_BEFORE_COMMIT, FAULT_TOPIC
 from streams.produce import produce
 from streams.topics import create_topics
 
@@ -319,15 +325,33 @@ async def current_totals(harness: Harness) -> dict[str, int]:
         await client.aclose()
 
 
-async def wait_committed(harness: Harness, group: str, ends: dict[int, int]) -> dict:
-    """The group's committed offsets on the raw topic once they reach `ends` (or at the
+async def wait_committed(harness: Harness, topic: str, group: str, ends: dict[int, int]) -> dict:
+    """The group's committed offsets on `topic` once they reach `ends` (or at the
     deadline)."""
     deadline = time.monotonic() + SETTLE_TIMEOUT
     while True:
-        committed = await harness.committed_offsets(harness.config.topics["raw"], group)
+        committed = await harness.committed_offsets(topic, group)
         if committed == ends or time.monotonic() > deadline:
             return committed
         await asyncio.sleep(0.5)
+
+
+def ends_of(config: StreamConfig, messages: list) -> dict[int, int]:
+    """The end offset of each partition of a topic read whole."""
+    sizes = Counter(m.partition for m in messages)
+    return {partition: sizes[partition] for partition in range(config.partitions)}
+
+
+def grouped_order(grouped: list) -> dict[bytes, tuple[int, int]]:
+    """Each record id's first (partition, offset) on <stream>.grouped: the one stored, since
+    a partition is stored in offset order and later copies are recognised. A value starts
+    with the record's id (`StreamBuffer.grouped_messages`)."""
+    order: dict[bytes, tuple[int, int]] = {}
+    for message in grouped:
+        where = (message.partition, message.offset)
+        record_id = message.value[:32]
+        order[record_id] = min(order.get(record_id, where), where)
+    return order
 
 
 @dataclass
@@ -385,23 +409,22 @@ def decoy_problem(entry: bytes, record: Record, gamma: int) -> str | None:
 
 
 def personal_publication(
-    config: StreamConfig, records: dict[bytes, Record]
+    config: StreamConfig, records: dict[bytes, Record], order: dict[bytes, tuple[int, int]]
 ) -> dict[bytes, tuple[bytes, int]]:
-    """(kind, published code) of every record, replaying `personal.lua` per (partition,
-    group) in raw offset order: a trial (its keyed perturbation) while the fixed budget
-    lasts, then copies of the trials of its value in turn (borrowed from the values with
-    trials, in turn, if its value has none)."""
+    """(kind, published code) of every record, replaying `personal.lua` per group in the
+    order of <stream>.grouped (`grouped_order`), which holds each group in one partition:
+    a trial (its keyed perturbation) while the group's whole fixed budget lasts, then
+    copies of the trials of its value in turn (borrowed from the values with trials, in
+    turn, if its value has none)."""
     settings = config.personal
     assert settings is not None and settings.budget == "conservative", "a fixed budget"
     m = config.schema.sensitive[0].size
-    limit = trial_limit(1.0, settings.retention, m, settings.lam, settings.delta)
-    budget = int(limit // config.partitions)
-    groups: dict[tuple[int, bytes], dict] = {}
+    budget = int(trial_limit(1.0, settings.retention, m, settings.lam, settings.delta))
+    groups: dict[bytes, dict] = {}
     out: dict[bytes, tuple[bytes, int]] = {}
-    for record in sorted(records.values(), key=lambda r: (r.partition, r.offset)):
+    for record in sorted(records.values(), key=lambda r: order[r.id]):
         group = groups.setdefault(
-            (record.partition, record.group),
-            {"trials": 0, "of": defaultdict(list), "copies": Counter(), "borrows": 0},
+            record.group, {"trials": 0, "of": defaultdict(list), "copies": Counter(), "borrows": 0}
         )
         value = record.values[0]
         if group["trials"] < budget:
@@ -446,9 +469,10 @@ def audit(
     seen: Observed,
     monitor: PoolMonitor,
     resting: set[bytes],
+    order: dict[bytes, tuple[int, int]],
 ) -> Audit:
     """`resting`: ids still pooled below their partition's floor, which the mixing rule
-    publishes only with later records."""
+    publishes only with later records; `order`: a personal stream's `grouped_order`."""
     out = Audit(messages=len(messages))
     codec = CellCodec(config.schema)
     by_row = {int(r.public.split(b",")[0]): r for r in records.values()}  # `row` comes first
@@ -498,7 +522,7 @@ def audit(
                 out.problems.append(f"entry {entry!r}: {problem}")
         out.checked = len(published & (seen.entries.keys() | pooled.keys()))
     else:
-        expected = personal_publication(config, records)
+        expected = personal_publication(config, records, order)
         out.kinds = Counter(kind for kind, _ in expected.values())
         for record_id, codes in out.published.items():
             if codes != b"%d" % expected[record_id][1]:
@@ -579,7 +603,10 @@ def test_crashes_and_replays_change_nothing_published(servers, tmp_path, mechani
         messages = asyncio.run(harness.read_all(config.topics["published"]))
         records = accepted_records(config, raw)
         resting = asyncio.run(pooled_ids(harness))
-        result = audit(config, records, messages, seen, monitor, resting)
+        order = {}
+        if config.personal is not None:
+            order = grouped_order(asyncio.run(harness.read_all(config.topics["grouped"])))
+        result = audit(config, records, messages, seen, monitor, resting, order)
         summary = summarize(mechanism, seen, monitor, result, stats)
         print("\n" + summary)
 
@@ -610,14 +637,20 @@ def test_crashes_and_replays_change_nothing_published(servers, tmp_path, mechani
         assert status["consumer"]["counted"] == result.tokens, (summary, status["consumer"])
         assert status["consumer"]["invalid"] == 0, (summary, status["consumer"])
 
-        # Replay: once the last worker has committed the whole raw topic (it may still be
-        # skipping what its killed predecessor consumed but did not commit), stop it and
-        # rewind its group to offset 0.
+        # Replay: once the last worker has committed the whole raw topic, and a personal
+        # stream's whole grouped topic (it may still be skipping what its killed
+        # predecessor consumed but did not commit), stop it and rewind its group to offset
+        # 0 on the raw topic.
         began = time.monotonic()
         group = f"splu-{config.name}"
-        sizes = Counter(m.partition for m in raw)
-        ends = {partition: sizes[partition] for partition in range(config.partitions)}
-        before = asyncio.run(wait_committed(harness, group, ends))
+        ends = ends_of(config, raw)
+        before = asyncio.run(wait_committed(harness, config.topics["raw"], group, ends))
+        if config.personal is not None:
+            grouped = asyncio.run(harness.read_all(config.topics["grouped"]))
+            topic = config.topics["grouped"]
+            assert asyncio.run(wait_committed(harness, topic, group, ends_of(config, grouped))) == (
+                ends_of(config, grouped)
+            ), summary
         harness.worker.stop()
         base = asyncio.run(current_totals(harness))
         assert before == ends, (summary, before, ends)
@@ -664,3 +697,109 @@ def test_crashes_and_replays_change_nothing_published(servers, tmp_path, mechani
         monitor.stop()
         harness.stop()
         redis_server.stop()
+
+
+async def settled_totals(harness: Harness) -> dict[str, int]:
+    """The buffer's totals once every record is published, suppressed or resting in a pool
+    below its floor, with nothing in flight."""
+    client = aioredis.from_url(harness.config.redis_url)
+    deadline = time.monotonic() + SETTLE_TIMEOUT
+    try:
+        while True:
+            totals = await harness.totals(client)
+            if totals.get("settled", 0) == RECORDS and totals["in_flight"] == 0:
+                return totals
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the stream did not settle: {totals}")
+            await asyncio.sleep(0.2)
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize("hop", ["raw", "grouped"])
+def test_a_kill_between_the_hops_loses_duplicates_and_rerandomizes_nothing(servers, tmp_path, hop):
+    """A personal stream's worker ends right after a fetch's handler returned, before the
+    fetch's offsets are committed (`FAULT_TOPIC`): with `raw`, after the first hop, once
+    the broker acknowledged the fetch's copies on <stream>.grouped; with `grouped`, after
+    the second, once Redis stored the fetch's grouped records. A fresh worker reads them
+    again: the copies the first hop sends twice, and the grouped records stored twice, are
+    recognised, and each record is published once, with the value the key and the grouped
+    order give it."""
+    harness = Harness(servers, tmp_path, "adult-personal.toml")
+    config = harness.config
+    group = f"splu-{config.name}"
+    asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
+    # Produced first: the worker's fetches are full, so the lost commit covers batches.
+    asyncio.run(produce(config, iter(adult_rows(config)), progress=False))
+    topic = config.topics[hop]
+    faulty = spawn_worker(
+        harness.path,
+        {**harness.env, FAULT_EXIT_BEFORE_COMMIT: "2", FAULT_TOPIC: topic},
+        harness.log,
+    )
+    deadline = time.monotonic() + SETTLE_TIMEOUT
+    while faulty.running and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not faulty.running and faulty.returncode == EXIT_FAULT
+
+    async def at_crash() -> tuple[int, int, int]:
+        """Records Redis holds, grouped messages sent, offsets committed on `topic`."""
+        client = aioredis.from_url(config.redis_url)
+        try:
+            ingested = (await harness.totals(client)).get("ingested", 0)
+        finally:
+            await client.aclose()
+        sent = len(await harness.read_all(config.topics["grouped"]))
+        committed = await harness.committed_offsets(topic, group)
+        return ingested, sent, sum(offset or 0 for offset in committed.values())
+
+    ingested, sent, committed = asyncio.run(at_crash())
+    # The window the fault point opens: more was done than the group committed.
+    assert (sent if hop == "raw" else ingested) > committed, (ingested, sent, committed)
+
+    began = time.monotonic()
+    harness.start_worker()
+    try:
+        totals = asyncio.run(settled_totals(harness))
+        raw = asyncio.run(harness.read_all(config.topics["raw"]))
+        grouped = asyncio.run(harness.read_all(config.topics["grouped"]))
+        for name, messages in (("raw", raw), ("grouped", grouped)):
+            ends = ends_of(config, messages)
+            reached = asyncio.run(wait_committed(harness, config.topics[name], group, ends))
+            assert reached == ends, (name, reached, ends)
+        published = asyncio.run(harness.read_all(config.topics["published"]))
+    finally:
+        harness.stop()
+    took = time.monotonic() - began
+
+    records = accepted_records(config, raw)
+    expected = personal_publication(config, records, grouped_order(grouped))
+    codec = CellCodec(config.schema)
+    by_row = {int(r.public.split(b",")[0]): r for r in records.values()}  # `row` comes first
+    tokens: dict[bytes, set[bytes]] = defaultdict(set)
+    wrong = []
+    for message in published:
+        public, sensitive = codec.key_of(message.value).split(b"|")
+        record = by_row[int(public.split(b",")[0])]
+        tokens[record.id].add(message.key)
+        if public != record.public or sensitive != b"%d" % expected[record.id][1]:
+            wrong.append((record.id, public, sensitive, expected[record.id]))
+    print(
+        f"\n[kill after the {hop} hop] at the crash: {ingested} stored, {sent} grouped messages,"
+        f" {committed} offsets of {topic} committed; after: {len(raw)} raw and {len(grouped)} "
+        f"grouped messages, redelivered {totals['redelivered']}, replayed {totals['replayed']}"
+        f", published {totals['published']}, resting {totals['below_floor']}; "
+        f"{len(wrong)} wrong values; settled in {took:.1f} s"
+    )
+    assert len(raw) == totals["ingested"] == len(records) == RECORDS, totals
+    # Every copy beyond a record's first on the grouped topic was recognised, not stored.
+    assert totals["redelivered"] >= len(grouped) - RECORDS, totals
+    assert totals.get("conflicts", 0) == totals.get("rejected", 0) == 0, totals
+    if hop == "raw":
+        assert len(grouped) > RECORDS  # the first hop sent the uncommitted fetch again
+    else:
+        assert totals["replayed"] >= ingested - committed > 0, totals
+    assert all(len(t) == 1 for t in tokens.values()) and len(published) == len(tokens)
+    assert len(tokens) == totals["published"], totals
+    assert totals["published"] + totals.get("suppressed", 0) + totals["below_floor"] == RECORDS
+    assert not wrong, wrong[:3]

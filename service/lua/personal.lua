@@ -1,4 +1,6 @@
--- Personal groups for one stream partition (SPEC §2.2, §3), one atomic step per batch:
+-- Personal groups for one partition of <stream>.grouped (SPEC §2.2, §3), which holds
+-- every record of its groups (streams/app.py routes each group to one partition), so a
+-- group's budget here is its whole budget. One atomic step per batch:
 -- store new records idempotently in their group's buffer, release a group when its
 -- buffer reaches the release size or its oldest record waited max_wait, and publish
 -- each released record either as a trial (its own perturbed value, while the group's
@@ -7,10 +9,10 @@
 --
 -- KEYS[1]  the partition's key prefix, "splu:{<stream>:<partition>}".
 -- ARGV     now_ms, max_wait_ms, release_size, budget (bounded, adaptive, conservative or
---          none), fixed budget (conservative), p, m, lambda, delta, partitions, level (the
---          bounded budget's 1 - confidence per partition), record ttl (ms, 0: none), n,
---          then one argument per record: id (32 hex digits), fingerprint (ingest.lua),
---          then "public codes|group key|value|perturbed value|raw offset".
+--          none), fixed budget (conservative), p, m, lambda, delta, level (the bounded
+--          budget's 1 - confidence), record ttl (ms, 0: none), n, then one argument per
+--          record: id (32 hex digits), fingerprint (ingest.lua), then
+--          "public codes|group key|value|perturbed value|offset" (the grouped offset).
 -- Returns  the number of buffered records, the pool size, then position and status of
 --          each record not stored anew (1 redelivered, 2 id reused with other content).
 --
@@ -30,15 +32,15 @@ local base = KEYS[1]
 local now, max_wait, release_size = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local budget_mode, fixed_budget = ARGV[4], tonumber(ARGV[5])
 local p, m, lambda, delta = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
-local partitions, level, ttl = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12])
-local n = tonumber(ARGV[13])
+local level, ttl = tonumber(ARGV[10]), tonumber(ARGV[11])
+local n = tonumber(ARGV[12])
 local k_rec, k_queue, k_gstat = base .. ':rec', base .. ':gq', base .. ':gstat'
 local k_pool, k_stats = base .. ':pool', base .. ':stats'
 
-open_dedup(base, n, 13)
+open_dedup(base, n, 12)
 local touched, added = {}, 0
 for r = 1, n do
-  local id, fingerprint, fields = parse(ARGV[13 + r], 5)
+  local id, fingerprint, fields = parse(ARGV[12 + r], 5)
   local fresh = first_seen(r, fingerprint, fields[5])
   -- HSETNX: an id stored twice would be buffered and released twice.
   if fresh and redis.call('HSETNX', k_rec, id, cmsgpack.pack({now, fields[1], fields[2],
@@ -59,11 +61,11 @@ for r = 1, n do
   end
 end
 
--- s_g = -2 (f p + (1-p)/m) ln(delta) / (lambda p f)^2 (seed 004 Cor. 6) split evenly over
--- the partitions: a group's records may arrive on any of them, and together they must
--- not exceed s_g. It falls as f rises, so planning with an upper bound on f is safe.
-local function share_of_limit(f)
-  return -2 * (f * p + (1 - p) / m) * math.log(delta) / (lambda * p * f) ^ 2 / partitions
+-- s_g = -2 (f p + (1-p)/m) ln(delta) / (lambda p f)^2 (seed 004 Cor. 6), whole: no other
+-- partition holds records of the group. It falls as f rises, so planning with an upper
+-- bound on f is safe.
+local function trial_limit(f)
+  return -2 * (f * p + (1 - p) / m) * math.log(delta) / (lambda * p * f) ^ 2
 end
 
 -- Trials the group may hold here, `trials` of them spent: conservative plans with f = 1,
@@ -86,7 +88,7 @@ local function budget(group, trials)
     if c > largest then largest = c end
   end
   local f = largest / total
-  if budget_mode == 'adaptive' then return math.floor(share_of_limit(f)) end
+  if budget_mode == 'adaptive' then return math.floor(trial_limit(f)) end
   local k_state = base .. ':g:' .. group .. ':s'
   local state = redis.call('HMGET', k_state, 'epoch', 'bound', 'frozen')
   if state[3] then return 0 end
@@ -98,12 +100,12 @@ local function budget(group, trials)
     -- %.17g: the bound read back is the double computed, not a 14-digit rounding.
     redis.call('HSET', k_state, 'epoch', epoch, 'bound', string.format('%.17g', bound))
   end
-  if f > bound or trials > math.floor(share_of_limit(f)) then
+  if f > bound or trials > math.floor(trial_limit(f)) then
     redis.call('HSET', k_state, 'frozen', 1)
     redis.call('HSET', k_gstat, group .. '|frozen', 1)
     return 0
   end
-  return math.floor(share_of_limit(bound))
+  return math.floor(trial_limit(bound))
 end
 
 local released, pooled, trials_used, copies, borrowed = 0, 0, 0, 0, 0
