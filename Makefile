@@ -15,7 +15,7 @@ test: $(STAMP)
 	deploy/system-packages.sh
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/python -m pytest $(PYTEST_PARALLEL)
+	$(VENV)/bin/python -m pytest $(PYTEST_PARALLEL) --durations=25
 
 bench: $(STAMP)
 	$(VENV)/bin/python bench/batch_decoy.py
