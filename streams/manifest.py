@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.errors import MessageSizeTooLargeError
 from aiokafka.structs import ConsumerRecord
 
 from service.buffer import connect
@@ -35,6 +36,9 @@ from service.manifest import (
 from streams.topics import CONFIG_HINT, existing_topics
 
 # Seconds a read may go without a record while positions are still short of the end offsets.
+# The largest manifest a worker sends (before compression); the broker's own limit (1 MB
+# by default) applies to the compressed message.
+MANIFEST_MAX_BYTES = 32 * 1024 * 1024
 STALL_TIMEOUT = 30.0
 
 
@@ -146,15 +150,24 @@ async def claim_manifest(config: StreamConfig) -> None:
         raise ManifestConflictError(
             _refusal(config, held, mine, f"claimed in Redis at {key} by another worker")
         )
+    # Compressed: a schema's domains (a sequence or id column, say) can make the manifest
+    # larger than the broker's 1 MB message limit in plain text, rarely after gzip.
     producer = AIOKafkaProducer(
-        bootstrap_servers=config.kafka_bootstrap, enable_idempotence=False, acks="all"
-    )
+        bootstrap_servers=config.kafka_bootstrap, enable_idempotence=False, acks="all",
+        compression_type="gzip", max_request_size=MANIFEST_MAX_BYTES,
+    )  # fmt: skip
     await producer.start()
     try:
         # Workers that won the claim together write the same bytes; compaction keeps one.
         await producer.send_and_wait(
             manifest_topic(config.name), mine.to_json(), key=MANIFEST_KEY, partition=0
         )
+    except MessageSizeTooLargeError:
+        raise ManifestError(
+            f"the manifest of stream {config.name!r} is {len(mine.to_json()):,} bytes, more "
+            "than Kafka takes in one message even compressed: its schema's domains are too "
+            "large to publish (bin a numeric column, or drop an id-like column)"
+        ) from None
     finally:
         await producer.stop()
 

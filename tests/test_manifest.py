@@ -258,6 +258,23 @@ def test_workers_starting_together_agree_on_one_manifest(servers, tmp_path):
         asyncio.run(check_manifest(loser))
 
 
+@pytest.mark.stream
+def test_a_manifest_past_the_brokers_message_limit_is_sent_compressed(servers, tmp_path):
+    """A public column of 200,000 values (a sequence number, as bench/stream_throughput.py
+    streams) makes a 1.7 MB manifest: over Kafka's 1 MB message limit as text, not gzipped."""
+    harness = Harness(servers, tmp_path, "adult-decoy.toml", row_column=False)
+    document = tomllib.loads(harness.path.read_text())
+    document["schema"]["public"]["seq"] = {"domain": [str(i) for i in range(200_000)]}
+    path = tmp_path / "seq.toml"
+    path.write_text(tomli_w.dumps(document))
+    config = load_config(path)
+    assert len(Manifest.of_config(config).to_json()) > 1_500_000
+    asyncio.run(_create(config))
+    asyncio.run(claim_manifest(config))
+    (found,) = set(asyncio.run(_manifests_on_topic(config)))
+    assert Manifest.from_json(found).digest == Manifest.of_config(config).digest
+
+
 def example_of(harness: Harness, tmp_path: Path, **tables: dict) -> Path:
     """The harness's config (same stream, same servers) with some settings replaced."""
     document = tomllib.loads(harness.path.read_text())
