@@ -36,13 +36,11 @@ import numpy as np
 
 from service.config import StreamConfig, WindowedSettings
 from service.merge import ValueMap
-from service.publication import Answers, PublicationError, checked_settings
+from service.publication import Answers, PublicationError, answer_queries, checked_settings
 from service.reconstruct import (
     DecoyReconstruction,
     PersonalReconstruction,
     PublishedCells,
-    Query,
-    QueryError,
     Reconstruction,
 )
 from service.running_counts import PublishedRecordError, PublishedWindows, WindowCodec
@@ -399,27 +397,6 @@ class Publication:
         """Each query object ({"where": {...}, "value": {...}}, as `splu query` reads) with
         "estimate", the interval "low"/"high" where defined, the "published" count and the
         predicate's "rows"; a query that cannot be answered gets an "error" instead."""
-        results: list[dict[str, Any]] = []
-        valid: list[tuple[int, Query]] = []
-        for i, obj in enumerate(queries):
-            results.append(dict(obj) if isinstance(obj, dict) else {"query": obj})
-            if self.reconstruction is None:
-                results[-1]["error"] = "no published records have been counted yet"
-                continue
-            try:
-                query = Query.from_json(obj)
-                self.reconstruction.check(query)
-                if self.windowed:
-                    query.check_values(self.domains)
-            except QueryError as err:
-                results[-1]["error"] = str(err)
-                continue
-            valid.append((i, query))
-        if valid:
-            assert self.reconstruction is not None
-            estimates = self.reconstruction.estimate_many([q for _, q in valid])
-            for (i, _), estimate in zip(valid, estimates, strict=True):
-                results[i].update(
-                    estimate.answer(), published=estimate.published, rows=estimate.predicate_rows
-                )
-        return results
+        domains = self.domains if self.windowed else None
+        unanswered = "no published records have been counted yet"
+        return answer_queries(self.reconstruction, queries, domains, unanswered)[0]

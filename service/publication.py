@@ -24,7 +24,7 @@ import math
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -60,6 +60,7 @@ from service.reconstruct import (
     PersonalReconstruction,
     PublishedCells,
     Query,
+    QueryError,
     Reconstruction,
 )
 from service.schema import Attribute, Schema, SchemaError
@@ -600,6 +601,43 @@ class Answers(Protocol):
     def check(self, query: Query) -> None: ...
 
     def estimate_many(self, queries: Sequence[Query]) -> list[Estimate]: ...
+
+
+def answer_queries(
+    answerer: Answers | None,
+    objects: Iterable[object],
+    domains: Mapping[str, Collection[str]] | None,
+    unanswered: str,
+) -> tuple[list[dict[str, Any]], list[tuple[int, Query, Estimate]]]:
+    """Query objects ({"where": {...}, "value": {...}}) answered as `/estimate` answers them:
+    each with its estimate, the interval "low"/"high" where defined, the "published" count
+    and the predicate's "rows", or an "error" (`unanswered` while there is no `answerer`).
+    With `domains`, a sensitive value outside its domain is an error. Also (position, query,
+    estimate) of each query answered, for callers that add fields of their own."""
+    results: list[dict[str, Any]] = []
+    valid: list[tuple[int, Query]] = []
+    for i, obj in enumerate(objects):
+        results.append(dict(obj) if isinstance(obj, dict) else {"query": obj})
+        if answerer is None:
+            results[-1]["error"] = unanswered
+            continue
+        try:
+            query = Query.from_json(obj)
+            answerer.check(query)
+            if domains is not None:
+                query.check_values(domains)
+        except QueryError as err:
+            results[-1]["error"] = str(err)
+            continue
+        valid.append((i, query))
+    if answerer is None or not valid:
+        return results, []
+    estimates = answerer.estimate_many([q for _, q in valid])
+    for (i, _), estimate in zip(valid, estimates, strict=True):
+        results[i].update(
+            estimate.answer(), published=estimate.published, rows=estimate.predicate_rows
+        )
+    return results, [(i, q, e) for (i, q), e in zip(valid, estimates, strict=True)]
 
 
 def reconstruction_of(

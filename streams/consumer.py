@@ -57,7 +57,7 @@ from service.privacy_tests import (
     guarantees,
     windowed_tests,
 )
-from service.publication import Answers
+from service.publication import Answers, answer_queries
 from service.reconstruct import Estimate, Query, QueryError, Reconstruction
 from service.running_counts import (
     CellCodec,
@@ -187,36 +187,16 @@ class Consumer:
 
     def estimate(self, objects: list[Any]) -> list[dict[str, Any]]:
         """Answer query objects like `splu query` does; bad ones get an "error"."""
-        results: list[dict[str, Any]] = []
-        queries: list[tuple[int, Query]] = []
-        for i, obj in enumerate(objects):
-            shown = obj if isinstance(obj, dict) else {"query": obj}
-            results.append(dict(shown))
-            if self.reconstruction is None:
-                results[-1]["error"] = (
-                    f"{self.windows.held:,} published rows are counted, but no sub-table, group "
-                    "or bucket is whole yet (its side messages or rows are still to come)"
-                    if self.windows is not None and self.windows.held
-                    else "no published records have been counted yet"
-                )
-                continue
-            try:
-                query = Query.from_json(obj)
-                self.reconstruction.check(query)
-                if self.windows is not None:
-                    query.check_values(self.domains)
-            except QueryError as err:
-                results[-1]["error"] = str(err)
-                continue
-            queries.append((i, query))
-        if queries:
-            assert self.reconstruction is not None
-            estimates = self.reconstruction.estimate_many([q for _, q in queries])
-            for (i, query), estimate in zip(queries, estimates, strict=True):
-                results[i].update(
-                    estimate.answer(), published=estimate.published, rows=estimate.predicate_rows,
-                    records=self.records, method=self.method(query, estimate),
-                )  # fmt: skip
+        unanswered = (
+            f"{self.windows.held:,} published rows are counted, but no sub-table, group "
+            "or bucket is whole yet (its side messages or rows are still to come)"
+            if self.windows is not None and self.windows.held
+            else "no published records have been counted yet"
+        )
+        domains = self.domains if self.windows is not None else None
+        results, answered = answer_queries(self.reconstruction, objects, domains, unanswered)
+        for i, query, estimate in answered:
+            results[i].update(records=self.records, method=self.method(query, estimate))
         return results
 
     def method(self, query: Query, estimate: Estimate) -> str:

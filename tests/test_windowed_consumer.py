@@ -31,6 +31,7 @@ import pytest
 import redis.asyncio as aioredis
 import tomli_w
 from harness import RECORDS, Harness, adult_rows
+from test_consumer import wait_for
 from test_windowed import rows_of, window_records, windowed_config
 
 from service import client
@@ -55,7 +56,6 @@ EXAMPLE = "adult-windowed.toml"
 STREAMED = {"sdr": RECORDS, "fprivacy": RECORDS, "anatomy": RECORDS, "dbr": 5000, "global": 5000}
 WINDOW = 2000  # records per window and partition: 5 windows a partition at 20,000
 QUERIES = 60
-TIMEOUT = 150.0
 TESTS = ("eligibility", "guarantees", "budget", "adversary", "dp_audit")
 
 
@@ -84,19 +84,6 @@ def ready(url: str) -> bool:
             return bool(json.loads(response.read())["ready"])
     except urllib.error.HTTPError:
         return False
-
-
-def wait_for(condition, what: str, timeout: float = TIMEOUT):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            value = condition()
-        except client.ConsumerError:
-            value = None
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @dataclass
