@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The Debian packages the test suite uses beyond Python: Chromium for the live page's
 # browser test, redis-server, which CI runs the Redis tests against a second time
-# (SPEC §6), and prometheus (the server and promtool) for the alert rules and the
-# dashboard's queries (tests/test_prometheus.py). Installs only what is missing; needs
-# root or sudo when something is.
+# (SPEC §6), jemalloc for the embedded Redis-protocol server, and prometheus (the server
+# and promtool) for the alert rules and the dashboard's queries (tests/test_prometheus.py).
+# Installs only what is missing; needs root or sudo when something is.
 set -euo pipefail
 missing=()
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+# jemalloc, preloaded into the embedded server (deploy/embedded.py: jemalloc_preload).
+ldconfig -p 2>/dev/null | grep -q 'libjemalloc\.so\.2' || missing+=(libjemalloc2)
 { command -v prometheus && command -v promtool; } >/dev/null 2>&1 || missing+=(prometheus)
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0

@@ -84,10 +84,15 @@ local function load(id)
 end
 
 local pooled, refills = 0, 0
+-- One attribute, the usual case, needs no table.concat: a C call per field per record.
+local function joined(list, separator)
+  if w == 1 then return list[1] end
+  return table.concat(list, separator)
+end
+
 local function finish(id, record)
-  local entry = record[2] .. '|' .. table.concat(record[5], ',') .. '|'
-    .. table.concat(record[7], ';') .. '|' .. table.concat(record[3], ',') .. '|'
-    .. record[1] .. '|' .. id
+  local entry = record[2] .. '|' .. joined(record[5], ',') .. '|' .. joined(record[7], ';')
+    .. '|' .. joined(record[3], ',') .. '|' .. record[1] .. '|' .. id
   pool_entries[#pool_entries + 1] = now
   pool_entries[#pool_entries + 1] = entry
   if not arrived[id] then unstored[#unstored + 1] = id end
@@ -135,11 +140,16 @@ local function completed(id, record, except)
 end
 
 -- Each member publishes its group's (sorted) value at its own keyed draw index. The
--- audit keeps the group's number in this partition and its values.
-local function assign(id, a, values, number)
+-- audit keeps the group's number in this partition and its values (`audit_of`, once per
+-- group).
+local function audit_of(number, values)
+  return number .. ':' .. table.concat(values, ',')
+end
+
+local function assign(id, a, values, number, audit)
   local record = load(id)
   record[5][a] = values[record[4][a] + 1]
-  record[7][a] = number .. ':' .. table.concat(values, ',')
+  record[7][a] = audit
   record[8][a] = number
   record[6] = record[6] - 1
   dirty[id] = true
@@ -164,7 +174,7 @@ local function fill(id, a, number)
   number = tonumber(number)
   local key = group_key(number)
   local values = split(redis.call('HGET', key, 'values'))
-  local record = assign(id, a, values, number)
+  local record = assign(id, a, values, number, audit_of(number, values))
   refills = refills + 1
   local members = redis.call('HGET', key, 'members')
   redis.call('HSET', key, 'members', members == '' and id or members .. ',' .. id)
@@ -217,15 +227,21 @@ end
 local any_holes = redis.call('SCARD', k_holes) > 0
 local added = 0
 for r = 1, n do
-  local id, fingerprint, fields = parse(ARGV[7 + r], 4)
-  local fresh = first_seen(r, fingerprint, fields[4])
+  local id, bucket, key, digest, public, value_text, draw_text, offset =
+    fields_of(ARGV[7 + r], 4)
+  local fresh = first_seen(r, bucket, key, digest, offset)
   if fresh and (records[id] or arrived[id] or stored[id]) then
     status[#status + 1] = r
     status[#status + 1] = 1
     redelivered = redelivered + 1
   elseif fresh then
-    local public, values, draws = fields[1], split(fields[2]), split(fields[3])
-    for a = 1, w do draws[a] = tonumber(draws[a]) end
+    local values, draws
+    if w == 1 then
+      values, draws = {value_text}, {tonumber(draw_text)}
+    else
+      values, draws = split(value_text), split(draw_text)
+      for a = 1, w do draws[a] = tonumber(draws[a]) end
+    end
     local record = {now, public, values, draws, {}, w, {}, {}}
     records[id], dirty[id], arrived[id] = record, true, true
     for a = 1, w do
@@ -316,9 +332,9 @@ local function cut(a)
     end
     groups = groups + 1
     local number = numbered + groups
-    local open, done = 0, {}
+    local open, done, audit = 0, {}, audit_of(number, chosen)
     for _, id in ipairs(members) do
-      local record = assign(id, a, chosen, number)
+      local record = assign(id, a, chosen, number, audit)
       if record[6] == 0 then done[#done + 1] = id else open = open + 1 end
     end
     if open > 0 then

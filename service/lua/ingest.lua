@@ -1,18 +1,20 @@
 -- Shared by the ingest scripts (decoy.lua, personal.lua, window.lua), prepended to each
 -- when it is registered: argument parsing, idempotent storage, gauges and the reply.
 
--- A record argument: id (32 hex digits), fingerprint (FINGERPRINT bytes, below), then
--- count '|'-separated fields, the last being the raw offset.
-local FINGERPRINT = 12
-local function parse(arg, count)
-  local fields, start = {}, 33 + FINGERPRINT
-  for f = 1, count - 1 do
-    local stop = string.find(arg, '|', start, true)
-    fields[f] = string.sub(arg, start, stop - 1)
-    start = stop + 1
+-- A record argument: id (32 hex digits), fingerprint (12 bytes, below), then
+-- count '|'-separated fields, the last being the raw offset. One string.match per record
+-- rather than a find and a sub per field: in Redis's Lua each C call costs as much as the
+-- string it cuts. Returns the id, the fingerprint's bucket (2 bytes), key (6) and
+-- digest (4), then the fields.
+local record_patterns = {}
+local function fields_of(arg, count)
+  local pattern = record_patterns[count]
+  if pattern == nil then
+    pattern = '^(' .. string.rep('.', 32) .. ')(..)(......)(....)'
+      .. string.rep('([^|]*)|', count - 1) .. '(.*)$'
+    record_patterns[count] = pattern
   end
-  fields[count] = string.sub(arg, start)
-  return string.sub(arg, 1, 32), string.sub(arg, 33, 32 + FINGERPRINT), fields
+  return string.match(arg, pattern)
 end
 
 -- Every record id a partition ever stored is remembered (fingerprints.lua, in ':seen'),
@@ -33,10 +35,9 @@ end
 -- True for a record seen first now. A redelivery (same digest) or an id reused with other
 -- content is skipped, reported as status 1 or 2; a conflict is counted once, not again
 -- when its message is redelivered (its offset is then at or below the watermark).
-local function first_seen(r, fingerprint, offset)
+-- The fingerprint comes as its bucket, key and digest (`fields_of`).
+local function first_seen(r, bucket, key, digest, offset)
   offset = tonumber(offset)
-  local bucket, key, digest =
-    string.sub(fingerprint, 1, 2), string.sub(fingerprint, 3, 8), string.sub(fingerprint, 9, 12)
   local known = seen:find(bucket, key)
   if offset > highest then highest = offset end
   if not known then

@@ -40,16 +40,16 @@ local k_pool, k_stats = base .. ':pool', base .. ':stats'
 open_dedup(base, n, 12)
 local touched, added = {}, 0
 for r = 1, n do
-  local id, fingerprint, fields = parse(ARGV[12 + r], 5)
-  local fresh = first_seen(r, fingerprint, fields[5])
+  local id, bucket, key, digest, public, group, value, perturbed, offset =
+    fields_of(ARGV[12 + r], 5)
+  local fresh = first_seen(r, bucket, key, digest, offset)
   -- HSETNX: an id stored twice would be buffered and released twice.
-  if fresh and redis.call('HSETNX', k_rec, id, cmsgpack.pack({now, fields[1], fields[2],
-      fields[3], fields[4]})) == 0 then
+  if fresh and redis.call('HSETNX', k_rec, id, cmsgpack.pack({now, public, group, value,
+      perturbed})) == 0 then
     status[#status + 1] = r
     status[#status + 1] = 1
     redelivered = redelivered + 1
   elseif fresh then
-    local group, value = fields[2], fields[3]
     local g = base .. ':g:' .. group
     if redis.call('RPUSH', g .. ':buf', id) == 1 then
       redis.call('ZADD', k_queue, now, group)

@@ -1,5 +1,5 @@
 -- Windowed streams (service/windowed.py): the atomic Redis steps of one stream partition.
--- Registered behind the shared prelude (ingest.lua), which gives parse, open_dedup,
+-- Registered behind the shared prelude (ingest.lua), which gives fields_of, open_dedup,
 -- first_seen, reply and expire_with_ttl.
 --
 -- KEYS[1]  the partition's key prefix, "splu:{<stream>:<partition>}"; every key below
@@ -91,10 +91,10 @@ end
 
 local added = 0
 for r = 1, n do
-  local id, fingerprint, fields = parse(ARGV[6 + r], 3)
-  if first_seen(r, fingerprint, fields[3]) then
+  local id, bucket, key, digest, public, sensitive, offset = fields_of(ARGV[6 + r], 3)
+  if first_seen(r, bucket, key, digest, offset) then
     -- HSETNX: an id stored twice would be published twice.
-    if redis.call('HSETNX', k_open, id, fields[1] .. '|' .. fields[2]) == 1 then
+    if redis.call('HSETNX', k_open, id, public .. '|' .. sensitive) == 1 then
       if count == 0 then
         redis.call('HSET', k_stats, 'opened', now)
       end
