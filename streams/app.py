@@ -346,29 +346,35 @@ class Emitter:
     async def round(
         self, partitions: set[int], now: int
     ) -> list[tuple[int, list[tuple[str, bytes]]]]:
-        """Emit from `partitions` at time `now` (ms); returns the takes sent, in order, each
-        with its partition."""
+        """Emit from `partitions` at time `now` (ms); returns the takes sent, each with its
+        partition, in partition order. Partitions are emitted concurrently, so that Redis
+        draws one partition's take while the worker encodes and sends another's."""
         self.owned &= partitions
+        takes = await asyncio.gather(*(self.emit_partition(p, now) for p in sorted(partitions)))
+        return [take for partition_takes in takes for take in partition_takes]
+
+    async def emit_partition(
+        self, partition: int, now: int
+    ) -> list[tuple[int, list[tuple[str, bytes]]]]:
         sent = []
-        for partition in sorted(partitions):
-            try:
-                if partition in self.resend or partition not in self.owned:
-                    waiting = await self.buffer.in_flight(partition)
-                    if waiting:
-                        log.warning(
-                            "partition %d: re-sending %d unacknowledged records",
-                            partition, len(waiting),
-                        )  # fmt: skip
-                        await self.publish(partition, waiting, now)
-                    self.resend.discard(partition)
-                    self.owned.add(partition)
-                while items := await self.buffer.take(partition, now, EMIT_CHUNK):
-                    await self.publish(partition, items, now)
-                    sent.append((partition, items))
-            except TRANSIENT as err:
-                # Whatever was taken stays in flight; send it again once things recover.
-                log.warning("partition %d: emission failed (%s)", partition, type(err).__name__)
-                self.resend.add(partition)
+        try:
+            if partition in self.resend or partition not in self.owned:
+                waiting = await self.buffer.in_flight(partition)
+                if waiting:
+                    log.warning(
+                        "partition %d: re-sending %d unacknowledged records",
+                        partition, len(waiting),
+                    )  # fmt: skip
+                    await self.publish(partition, waiting, now)
+                self.resend.discard(partition)
+                self.owned.add(partition)
+            while items := await self.buffer.take(partition, now, EMIT_CHUNK):
+                await self.publish(partition, items, now)
+                sent.append((partition, items))
+        except TRANSIENT as err:
+            # Whatever was taken stays in flight; send it again once things recover.
+            log.warning("partition %d: emission failed (%s)", partition, type(err).__name__)
+            self.resend.add(partition)
         return sent
 
 
