@@ -35,6 +35,9 @@
 
 local base = KEYS[1]
 local now, max_wait, gamma = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+-- Scores and pool entries take the time as text: converting a Lua number to a string
+-- formats it with sprintf, once per record otherwise.
+local now_text = ARGV[1]
 local w, seed, ttl = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
 local n = tonumber(ARGV[7])
 local k_rec, k_time = base .. ':rec', base .. ':t'
@@ -91,9 +94,10 @@ local function joined(list, separator)
 end
 
 local function finish(id, record)
+  local arrival = record[1] == now and now_text or record[1]
   local entry = record[2] .. '|' .. joined(record[5], ',') .. '|' .. joined(record[7], ';')
-    .. '|' .. joined(record[3], ',') .. '|' .. record[1] .. '|' .. id
-  pool_entries[#pool_entries + 1] = now
+    .. '|' .. joined(record[3], ',') .. '|' .. arrival .. '|' .. id
+  pool_entries[#pool_entries + 1] = now_text
   pool_entries[#pool_entries + 1] = entry
   if not arrived[id] then unstored[#unstored + 1] = id end
   records[id], dirty[id], finished[id] = nil, nil, true
@@ -202,7 +206,7 @@ local function store_bucket_additions()
       for start = 1, #ids, 1000 do
         local members = {}
         for j = start, math.min(start + 999, #ids) do
-          members[#members + 1] = 0
+          members[#members + 1] = '0'
           members[#members + 1] = ids[j]
         end
         redis.call('ZADD', bucket_key(a, v), unpack(members))
@@ -310,7 +314,11 @@ local function cut(a)
       taken[pick] = true
       weight = weight + size[pick]
     end
-    table.sort(chosen, numeric)
+    -- In numeric order, as `values` is: no comparisons, each a tonumber of both sides.
+    chosen = {}
+    for _, v in ipairs(values) do
+      if taken[v] then chosen[#chosen + 1] = v end
+    end
     for _, v in ipairs(chosen) do
       owed[v] = (owed[v] or 0) + 1
       size[v] = size[v] - 1
@@ -402,7 +410,7 @@ end
 local waiting_arrivals = {}
 for id, state in pairs(arrived) do
   if state == true and not finished[id] then
-    waiting_arrivals[#waiting_arrivals + 1] = now
+    waiting_arrivals[#waiting_arrivals + 1] = now_text
     waiting_arrivals[#waiting_arrivals + 1] = id
     arrived[id] = 'indexed'
   end
@@ -430,20 +438,22 @@ for start = 1, #pool_entries, 2000 do
   redis.call('ZADD', k_pool, unpack(pool_entries, start, math.min(start + 1999, #pool_entries)))
 end
 
-local buffered = {k_rec, k_time, k_open, k_holes}
-for _, number in ipairs(redis.call('SMEMBERS', k_open)) do
-  buffered[#buffered + 1] = group_key(number)
-end
-for _, hole in ipairs(redis.call('SMEMBERS', k_holes)) do
-  buffered[#buffered + 1] = base .. ':hole:' .. hole
-end
-for a = 1, w do
-  buffered[#buffered + 1] = base .. ':n:' .. a
-  for _, v in ipairs(redis.call('HKEYS', base .. ':n:' .. a)) do
-    buffered[#buffered + 1] = bucket_key(a, v)
+if ttl > 0 then
+  local buffered = {k_rec, k_time, k_open, k_holes}
+  for _, number in ipairs(redis.call('SMEMBERS', k_open)) do
+    buffered[#buffered + 1] = group_key(number)
   end
+  for _, hole in ipairs(redis.call('SMEMBERS', k_holes)) do
+    buffered[#buffered + 1] = base .. ':hole:' .. hole
+  end
+  for a = 1, w do
+    buffered[#buffered + 1] = base .. ':n:' .. a
+    for _, v in ipairs(redis.call('HKEYS', base .. ':n:' .. a)) do
+      buffered[#buffered + 1] = bucket_key(a, v)
+    end
+  end
+  expire_with_ttl(ttl, buffered)
 end
-expire_with_ttl(ttl, buffered)
 
 local waiting = redis.call('HLEN', k_rec)
 redis.call('HSET', k_stats, 'draws', draws())

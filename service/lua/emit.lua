@@ -57,15 +57,11 @@ end
 
 -- Time from arrival to emission, as a histogram: operators see delays, never per record.
 -- DELAY_BOUNDS (ms) is prepended at registration from service.metrics.DELAY_BOUNDS_MS.
-local in_bucket, total_ms, lines, taken, flight = {}, 0, {}, {}, {}
-for j = 1, count do
-  local entry = members[j]
-  -- 128 bits of SHA-1 of the fresh seed: unique and unpredictable per record.
-  local token = string.sub(redis.sha1hex(seed .. ':t:' .. j), 1, 32)
-  taken[j] = entry
-  flight[2 * j - 1], flight[2 * j] = token, entry
-  lines[j] = token .. ' ' .. entry
-  local delay = math.max(now - tonumber(string.match(entry, '|(%d+)|[^|]*$')), 0)
+-- Records stored by one ingest call share their arrival, so a take holds few distinct
+-- ones: each is placed in its bucket once.
+local bucket_of = {}
+local function delay_bucket(arrival)
+  local delay = math.max(now - tonumber(arrival), 0)
   local bucket = '+Inf'
   for _, bound in ipairs(DELAY_BOUNDS) do
     if delay <= bound then
@@ -73,12 +69,26 @@ for j = 1, count do
       break
     end
   end
-  in_bucket[bucket] = (in_bucket[bucket] or 0) + 1
-  total_ms = total_ms + delay
+  bucket_of[arrival] = {bucket, delay}
+  return bucket_of[arrival]
 end
--- In chunks: Lua's unpack() stops at a few thousand values.
+
+local in_bucket, total_ms, lines, flight = {}, 0, {}, {}
+for j = 1, count do
+  local entry = members[j]
+  -- 128 bits of SHA-1 of the fresh seed: unique and unpredictable per record.
+  local token = string.sub(redis.sha1hex(seed .. ':t:' .. j), 1, 32)
+  flight[2 * j - 1], flight[2 * j] = token, entry
+  lines[j] = token .. ' ' .. entry
+  local arrival = string.match(entry, '|(%d+)|[^|]*$')
+  local placed = bucket_of[arrival] or delay_bucket(arrival)
+  in_bucket[placed[1]] = (in_bucket[placed[1]] or 0) + 1
+  total_ms = total_ms + placed[2]
+end
+-- In chunks: Lua's unpack() stops at a few thousand values. The shuffle left the take in
+-- the pool's first `count` positions.
 for start = 1, count, 4000 do
-  redis.call('ZREM', k_pool, unpack(taken, start, math.min(start + 3999, count)))
+  redis.call('ZREM', k_pool, unpack(members, start, math.min(start + 3999, count)))
 end
 for start = 1, count, 1000 do
   redis.call('HSET', k_inflight, unpack(flight, 2 * start - 1, 2 * math.min(start + 999, count)))
