@@ -21,14 +21,17 @@ Everything else is rejected with a reason that never echoes a sensitive value.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import attrgetter
 
 import msgspec
 import numpy as np
+from msgspec.structs import astuple
 
 from service.config import StreamConfig
 from service.mechanisms.decoy import DecoyGroups
@@ -40,6 +43,9 @@ from service.table import Table
 MAX_MESSAGE_BYTES = 64 * 1024
 # Binned values (their text) remembered with their code, per attribute: ages and the like.
 KNOWN_BIN_VALUES = 10_000
+# Public and sensitive code texts of pool entries remembered with their part of the
+# published JSON, each: every combination of public values of the Adult sample fits.
+KNOWN_ENTRY_TEXTS = 1 << 14
 
 
 class _DuplicateKeyError(ValueError):
@@ -106,28 +112,67 @@ class PreparedBatch:
         return [raw[32 * i : 32 * i + 32] for i in range(len(self.ids))]
 
 
+@dataclass(frozen=True)
+class AcceptedRows:
+    """The accepted records of one partition, in arrival order: their messages and codes in
+    schema order, one row each. Iterating gives (message, codes) pairs, the form a `_batch`
+    override may read (`service.windowed.WindowPreparer`)."""
+
+    messages: list[RawMessage]
+    codes: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.messages)
+
+    def __iter__(self) -> Iterator[tuple[RawMessage, list[int]]]:
+        return zip(self.messages, self.codes.tolist(), strict=True)
+
+
 class Preparer:
     """Validates and prepares raw messages for one stream's configuration."""
 
     def __init__(self, config: StreamConfig, key: ServiceKey) -> None:
         self.config = config
         self.key = key
-        self._fingerprint_key = key.subkey("dedup fingerprints")
-        self._digest_key = key.subkey("dedup digests")
         self.schema = config.schema
-        self._public = [i for i, a in enumerate(self.schema.attributes) if not a.sensitive]
-        # '"name":"label"' per attribute and code: published records are joined from these.
+        attributes = self.schema.attributes
+        # Keyed BLAKE2b states to copy: absorbing the key block once per stream instead of
+        # once per record gives the same digests at half the cost.
+        self._fingerprint_state = hashlib.blake2b(
+            digest_size=8, key=key.subkey("dedup fingerprints")
+        )
+        self._digest_state = hashlib.blake2b(digest_size=4, key=key.subkey("dedup digests"))
+        self._public = [i for i, a in enumerate(attributes) if not a.sensitive]
+        self._sensitive = [i for i, a in enumerate(attributes) if a.sensitive]
+        # Decimal texts of codes (public codes, personal group keys), grown as needed.
+        self._code_texts = np.empty(0, dtype=object)
+        # '"name":"label"' per attribute and code: published records are joined from these,
+        # looked up by the code's text as pool entries write it.
         self._fragments = [
-            [json.dumps({a.name: label})[1:-1].encode() for label in a.domain]
-            for a in self.schema.attributes
+            [json.dumps({a.name: label})[1:-1].encode() for label in a.domain] for a in attributes
         ]
-        self._sensitive = [i for i, a in enumerate(self.schema.attributes) if a.sensitive]
-        self._decoder = msgspec.json.Decoder()
-        self._quoted_names = [b'"%s"' % a.name.encode() for a in self.schema.attributes]
+        self._fragment_of = [
+            {b"%d" % code: fragment for code, fragment in enumerate(fragments)}
+            for fragments in self._fragments
+        ]
+        # Pool entries list the public codes, then the sensitive ones: (schema position,
+        # position in the entry) per attribute, in schema order.
+        self._schema_order = sorted((i, k) for k, i in enumerate(self._public + self._sensitive))
+        # As in every configured schema, public attributes first: then a published record
+        # is a head of its public codes and a tail of its sensitive ones.
+        self._public_first = self._public == list(range(len(self._public)))
+        self._json_heads: dict[bytes, bytes] = {}
+        self._json_tails: dict[bytes, bytes] = {}
+        record_type = _record_type(self.schema.names)
+        self._record_decoder = (
+            msgspec.json.Decoder(record_type).decode if record_type is not None else None
+        )
+        fields = record_type.__struct_fields__ if record_type is not None else ()
+        self._field_getters = [attrgetter(f) for f in fields]
         # Text -> code per attribute: the domain's labels, or the binned texts seen so far.
         self._known_codes = [
             dict(a._codes) if a.bins is None else {}  # type: ignore[attr-defined]
-            for a in self.schema.attributes
+            for a in attributes
         ]
         if config.decoy is not None:
             self._decoy = DecoyGroups(config.decoy.gamma, config.decoy.grouping)
@@ -144,67 +189,123 @@ class Preparer:
     def prepare(self, messages: list[RawMessage]) -> tuple[list[PreparedBatch], list[Rejected]]:
         """Split messages into per-partition batches of accepted records and rejections.
 
-        Most records take a fast path, checked over the whole batch: one msgspec parse,
-        then a dictionary lookup per attribute and column. A record the fast path cannot
-        vouch for goes through `_validate`, the exact reference, so the outcome and the
-        reason of a rejection are the same either way.
+        Most records take a fast path, checked over the whole batch: one msgspec parse
+        each, then a dictionary lookup per attribute and column. A record the fast path
+        cannot vouch for goes through `_validate`, the exact reference, so the outcome and
+        the reason of a rejection are the same either way.
         """
-        codes = self._fast_codes([m.value for m in messages])
-        accepted: dict[int, list[tuple[RawMessage, list[int]]]] = {}
+        n = len(messages)
+        positions, fast = self._fast_rows([m.value for m in messages])
+        codes = np.empty((n, len(self.schema.attributes)), np.int64)
+        codes[positions] = fast
+        accepted = np.zeros(n, bool)
+        accepted[positions] = True
         rejected = []
-        for message, fast in zip(messages, codes, strict=True):
-            if fast is None:
-                try:
-                    fast = self._validate(message)
-                except RecordError as err:
-                    rejected.append(Rejected(message, err.rejection))
-                    continue
-            accepted.setdefault(message.partition, []).append((message, fast))
-        return [self._batch(p, rows) for p, rows in sorted(accepted.items())], rejected
+        for position in np.flatnonzero(~accepted).tolist():
+            message = messages[position]
+            try:
+                codes[position] = self._validate(message)
+            except RecordError as err:
+                rejected.append(Rejected(message, err.rejection))
+            else:
+                accepted[position] = True
+        kept = np.flatnonzero(accepted)
+        partitions = np.fromiter((messages[i].partition for i in kept.tolist()), np.int64)
+        # Stable: each partition's records stay in arrival order.
+        order = np.argsort(partitions, kind="stable")
+        ends = np.flatnonzero(np.diff(partitions[order])) + 1
+        batches = []
+        for rows in np.split(kept[order], ends) if len(kept) else ():
+            batch_messages = [messages[i] for i in rows.tolist()]
+            batches.append(
+                self._batch(batch_messages[0].partition, AcceptedRows(batch_messages, codes[rows]))
+            )
+        return batches, rejected
 
     def _fast_codes(self, values: list[bytes | None]) -> list[list[int] | None]:
-        """Each record's codes in schema order, or None where `_validate` must decide.
-
-        Only flat objects without backslashes whose every attribute name appears once,
-        quoted, in the text are taken here: msgspec keeps the last of two equal keys,
-        which `_validate` rejects, and without escapes a key is always written as its
-        quoted name, so the count shows a repeated key.
-        """
-        loads, quoted, n = self._decoder.decode, self._quoted_names, len(self._quoted_names)
-        parsed: list[dict | None] = []
-        for value in values:
-            record = None
-            if value and len(value) <= MAX_MESSAGE_BYTES and b"\\" not in value:
-                with contextlib.suppress(msgspec.MsgspecError, UnicodeDecodeError, RecursionError):
-                    record = loads(value)
-                if not (
-                    type(record) is dict
-                    and len(record) == n
-                    and sum(value.count(name) for name in quoted) == n
-                ):
-                    record = None
-            parsed.append(record)
-        rows = [i for i, record in enumerate(parsed) if record is not None]
-        columns = []
-        for attribute, known in zip(self.schema.attributes, self._known_codes, strict=True):
-            raw = [parsed[i].get(attribute.name) for i in rows]  # type: ignore[union-attr]
-            try:
-                column = [known.get(v, -1) for v in raw]
-            except TypeError:  # a list or an object: unhashable, and never a code
-                column = [known.get(v, -1) if type(v) is str else -1 for v in raw]
-            for j in (j for j, code in enumerate(column) if code < 0):
-                try:
-                    column[j] = attribute.code_of(raw[j])
-                except ValueError:
-                    continue
-                if type(raw[j]) is str and len(known) < KNOWN_BIN_VALUES:
-                    known[raw[j]] = column[j]
-            columns.append(column)
+        """`_fast_rows` per record: its codes in schema order where the fast path vouches for
+        them, else None (where `_validate` decides); the form tests hold against `_validate`."""
+        positions, codes = self._fast_rows(values)
         out: list[list[int] | None] = [None] * len(values)
-        for j, row in enumerate(zip(*columns, strict=True)):
-            if min(row, default=0) >= 0:
-                out[rows[j]] = list(row)
+        for position, row in zip(positions.tolist(), codes.tolist(), strict=True):
+            out[position] = row
         return out
+
+    def _fast_rows(self, values: list[bytes | None]) -> tuple[np.ndarray, np.ndarray]:
+        """The positions of the records the fast path vouches for, ascending, and their
+        codes in schema order, one row each.
+
+        Only flat objects that hold every attribute once, each a string or a number, are
+        taken here, and only if written without escapes: msgspec and json do not read
+        every escape alike (a lone surrogate). msgspec keeps the last of two equal keys,
+        which `_validate` rejects, so the quotes are counted: without escapes each one opens
+        or closes a string, and a record of n keys whose values hold s strings has
+        2n + 2s quotes exactly when no key repeats (a repeat adds its key's two quotes, and
+        the value it hides no fewer strings than none).
+        """
+        width = len(self.schema.attributes)
+        positions, records, texts = self._parsed(values)
+        if not records:
+            return np.empty(0, np.int64), np.empty((0, width), np.int64)
+        columns = []
+        strings_only = True
+        for attribute, known, field_of in zip(
+            self.schema.attributes, self._known_codes, self._field_getters, strict=True
+        ):
+            # A column at a time, through no per-record container: those would wake the
+            # garbage collector every few hundred records.
+            raw = list(map(field_of, records))
+            column = list(map(known.get, raw, repeat(-1)))
+            if -1 in column:
+                for j in [j for j, code in enumerate(column) if code < 0]:
+                    value = raw[j]
+                    if type(value) is not str:
+                        strings_only = False
+                    try:
+                        column[j] = attribute.code_of(value)
+                    except ValueError:
+                        continue
+                    if type(value) is str and len(known) < KNOWN_BIN_VALUES:
+                        known[value] = column[j]
+            columns.append(column)
+        codes = np.array(columns, dtype=np.int64).T
+        valid = (codes >= 0).all(axis=1)
+        # A record whose values are all strings has at least 4n quotes, so when every value
+        # is a string, a batch total of 4n per record says that no record repeats a key.
+        if not (strings_only and b"".join(texts).count(b'"') == 4 * width * len(records)):
+            for j, (record, text) in enumerate(zip(records, texts, strict=True)):
+                strings = sum(type(v) is str for v in astuple(record))
+                if text.count(b'"') != 2 * width + 2 * strings:
+                    valid[j] = False
+        return np.asarray(positions, np.int64)[valid], codes[valid]
+
+    def _parsed(self, values: list[bytes | None]) -> tuple[list[int], list, list[bytes]]:
+        """The values msgspec reads as records of the schema's attributes (none longer than
+        MAX_MESSAGE_BYTES or holding a backslash): their positions, records and texts."""
+        decode = self._record_decoder
+        if decode is None:
+            return [], [], []
+        # One pass over the whole batch when every record parses, as almost all do.
+        texts = [value for value in values if value]
+        if (
+            len(texts) == len(values)
+            and b"\\" not in b"".join(texts)
+            and max(map(len, texts), default=0) <= MAX_MESSAGE_BYTES
+        ):
+            try:
+                return list(range(len(texts))), list(map(decode, texts)), texts
+            except (msgspec.MsgspecError, UnicodeDecodeError, RecursionError):
+                pass
+        positions, records, texts = [], [], []
+        for position, value in enumerate(values):
+            if value and len(value) <= MAX_MESSAGE_BYTES and b"\\" not in value:
+                try:
+                    records.append(decode(value))
+                except (msgspec.MsgspecError, UnicodeDecodeError, RecursionError):
+                    continue
+                positions.append(position)
+                texts.append(value)
+        return positions, records, texts
 
     def _validate(self, message: RawMessage) -> list[int]:
         where = f"{message.partition}/{message.offset}"
@@ -244,32 +345,46 @@ class Preparer:
         # (`service.buffer.StreamBuffer.grouped_messages`), where records of every raw
         # partition meet: there a fingerprint names the raw partition too, as the id does,
         # or "o:<offset>" of two raw partitions would pass for one record.
-        named = (
-            [b"%d:" % partition + d for d in dedup_keys]
-            if self.config.personal is not None
-            else dedup_keys
-        )
+        named_state = self._fingerprint_state
+        if self.config.personal is not None:
+            named_state = named_state.copy()
+            named_state.update(b"%d:" % partition)
+        # The content digest is of the validated record, so a resend formatted differently
+        # is still the same; keyed, because it stays in Redis after publication and an
+        # unkeyed hash of a few thousand possible records would give the record back.
+        rows = np.ascontiguousarray(codes)
+        contents = rows.view(np.dtype((np.void, rows.itemsize * rows.shape[1]))).ravel()
+        named_copy, digest_copy = named_state.copy, self._digest_state.copy
+        fingerprints = []
+        for dedup, content in zip(dedup_keys, contents.tolist(), strict=True):
+            named = named_copy()
+            named.update(dedup)
+            digest = digest_copy()
+            digest.update(content)
+            fingerprints.append(named.digest() + digest.digest())
         return PreparedBatch(
             partition=partition,
             messages=messages,
             dedup_keys=dedup_keys,
-            # The content digest is of the validated record, so a resend formatted
-            # differently is still the same; keyed, because it stays in Redis after
-            # publication and an unkeyed hash of a few thousand possible records would give
-            # the record back.
-            fingerprints=[
-                hashlib.blake2b(dedup, digest_size=8, key=self._fingerprint_key).digest()
-                + hashlib.blake2b(row.tobytes(), digest_size=4, key=self._digest_key).digest()
-                for dedup, row in zip(named, codes, strict=True)
-            ],
-            ids=ids_for(self.key, [b"%d:" % partition + d for d in dedup_keys]),
-            public=[b",".join(b"%d" % c for c in row) for row in codes[:, self._public].tolist()],
+            fingerprints=fingerprints,
+            ids=ids_for(self.key, dedup_keys, b"%d:" % partition),
+            public=self._joined(rows[:, self._public], b","),
             sensitive=codes[:, self._sensitive],
         )
 
-    def _batch(self, partition: int, rows: list[tuple[RawMessage, list[int]]]) -> PreparedBatch:
-        codes = np.asarray([c for _, c in rows], dtype=np.int64).reshape(len(rows), -1)
-        batch = self.identify(partition, [m for m, _ in rows], codes)
+    def _joined(self, codes: np.ndarray, separator: bytes) -> list[bytes]:
+        """Each row of (non-negative) codes as decimal texts joined by `separator`."""
+        if codes.shape[1] == 0:
+            return [b""] * len(codes)
+        size = int(codes.max(initial=0)) + 1
+        if size > len(self._code_texts):
+            self._code_texts = np.array([b"%d" % c for c in range(size)], dtype=object)
+        texts = self._code_texts
+        return list(map(separator.join, zip(*(texts[c].tolist() for c in codes.T), strict=True)))
+
+    def _batch(self, partition: int, rows: AcceptedRows) -> PreparedBatch:
+        codes = rows.codes
+        batch = self.identify(partition, rows.messages, codes)
         ids = batch.ids
         names = [a.name for a in self.schema.sensitive]
         if self.config.decoy is not None:
@@ -285,7 +400,7 @@ class Preparer:
                 },
             )
             keys, _, _ = self._personal.group_keys(table)
-            batch.groups = [".".join(map(str, row)).encode() for row in keys.tolist()]
+            batch.groups = self._joined(keys, b".")
             batch.perturbed = self._perturbation.perturb(
                 codes[:, self._sensitive[0]], ids, self.key, names[0]
             )
@@ -311,8 +426,57 @@ class Preparer:
         }
 
     def published_json(self, member: bytes) -> bytes:
-        """`decode` as JSON bytes, from fragments encoded once per attribute value."""
+        """`decode` as JSON bytes, from fragments encoded once per attribute value.
+
+        The text of an entry's public codes and that of its sensitive codes each give their
+        part of the JSON text, remembered from entries published before.
+        """
+        public_text, sensitive_text, _ = member.split(b"|", 2)
+        head = self._json_heads.get(public_text)
+        tail = self._json_tails.get(sensitive_text)
+        if head is not None and tail is not None:
+            return head + tail
+        return self._uncached_json(member, public_text, sensitive_text)
+
+    def _uncached_json(self, member: bytes, public_text: bytes, sensitive_text: bytes) -> bytes:
+        """`published_json` from each code's text, as pool entries write it; an entry
+        written any other way (never, by the buffer's scripts) goes through `codes_of`."""
+        public = public_text.split(b",") if public_text else []
+        sensitive = sensitive_text.split(b",")
+        if len(public) == len(self._public) and len(sensitive) == len(self._sensitive):
+            texts = public + sensitive
+            try:
+                fragments = [self._fragment_of[i][texts[k]] for i, k in self._schema_order]
+            except KeyError:
+                pass
+            else:
+                if not self._public_first:
+                    return b"{%s}" % b",".join(fragments)
+                # The JSON text is a head of the public codes and a tail of the sensitive.
+                head = b"{" + b"".join(f + b"," for f in fragments[: len(public)])
+                tail = b",".join(fragments[len(public) :]) + b"}"
+                if len(self._json_heads) < KNOWN_ENTRY_TEXTS:
+                    self._json_heads[public_text] = head
+                if len(self._json_tails) < KNOWN_ENTRY_TEXTS:
+                    self._json_tails[sensitive_text] = tail
+                return head + tail
         fragments = self._fragments
         return b"{%s}" % b",".join(
             fragments[i][code] for i, code in enumerate(self.codes_of(member))
         )
+
+
+def _record_type(names: list[str]) -> type[msgspec.Struct] | None:
+    """A msgspec type of JSON objects that hold exactly the attributes `names`, each a string
+    or a number, or None if a name needs an escape in JSON: such records are never fast."""
+    if any(ch in '"\\' or ch < " " for name in names for ch in name):
+        return None
+    fields = [f"a{i}" for i in range(len(names))]
+    return msgspec.defstruct(
+        "Record",
+        [(f, str | int | float) for f in fields],
+        rename=dict(zip(fields, names, strict=True)),
+        forbid_unknown_fields=True,
+        # Strings and numbers only: nothing for the garbage collector to follow.
+        gc=False,
+    )

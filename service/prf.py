@@ -54,14 +54,22 @@ class ServiceKey:
         return hmac.digest(self.secret, purpose.encode(), "sha256")
 
 
-def ids_for(key: ServiceKey, names: list[bytes]) -> np.ndarray:
-    """Record ids keyed by a stable name per record (producer id or offset).
+def ids_for(key: ServiceKey, names: list[bytes], prefix: bytes = b"") -> np.ndarray:
+    """Record ids keyed by a stable name per record (producer id or offset), each
+    name read after `prefix`.
 
     A redelivered record gets back the id it had, and ids stay independent of
     record content and unguessable without the key.
     """
-    digests = b"".join(hashlib.blake2b(name, digest_size=16).digest() for name in names)
-    blocks = np.frombuffer(digests, dtype=">u8").astype(np.uint64).reshape(-1, 2)
+    # Copying a state that has absorbed the prefix hashes prefix + name without
+    # building it, and costs less than a new hash object per record.
+    state = hashlib.blake2b(prefix, digest_size=16)
+    digests = []
+    for name in names:
+        digest = state.copy()
+        digest.update(name)
+        digests.append(digest.digest())
+    blocks = np.frombuffer(b"".join(digests), dtype=">u8").astype(np.uint64).reshape(-1, 2)
     return prf128(key, "record ids", blocks)
 
 
