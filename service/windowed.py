@@ -101,7 +101,7 @@ import redis.asyncio as aioredis
 
 from service.buffer import BufferState, IngestOutcome, lua_script
 from service.config import StreamConfig, WindowedSettings
-from service.ingest import PreparedBatch, Preparer, RawMessage
+from service.ingest import AcceptedRows, PreparedBatch, Preparer
 from service.prf import ServiceKey
 from service.publication import BATCH_PUBLISHERS, EXTRA_COLUMN
 from service.schema import Schema
@@ -252,9 +252,8 @@ class WindowPreparer(Preparer):
     """`Preparer` for windowed streams: validation, dedup keys, fingerprints and keyed ids as
     for every stream, and no per-record draws (the mechanism draws per window)."""
 
-    def _batch(self, partition: int, rows: list[tuple[RawMessage, list[int]]]) -> PreparedBatch:
-        codes = np.asarray([c for _, c in rows], dtype=np.int64).reshape(len(rows), -1)
-        return self.identify(partition, [m for m, _ in rows], codes)
+    def _batch(self, partition: int, rows: AcceptedRows) -> PreparedBatch:
+        return self.identify(partition, rows.messages, rows.codes)
 
 
 class WindowState(BufferState):
