@@ -544,11 +544,17 @@ def create_app(
     add_health_pages(app, buffered, client, publisher)
     add_metrics_page(app, buffered, buffer)
 
-    @app.timer(interval=EMIT_INTERVAL)
+    @app.task
     async def emit() -> None:
-        if await pause.holding():
-            return
-        await emitter.round(assigned_partitions(app, buffered), now_ms())
+        # Rounds follow each other at once while they find a backlog, and every
+        # EMIT_INTERVAL otherwise: on a timer, Redis and the broker would sit idle between
+        # the rounds of a fast stream while its pools filled.
+        while not app.should_stop:
+            emitted = 0
+            if not await pause.holding():
+                takes = await emitter.round(assigned_partitions(app, buffered), now_ms())
+                emitted = sum(len(items) for _, items in takes)
+            await asyncio.sleep(0 if emitted >= config.mixing_pool else EMIT_INTERVAL)
 
     @app.timer(interval=TICK_INTERVAL)
     async def tick() -> None:
