@@ -20,6 +20,7 @@ import atexit
 import ctypes
 import ctypes.util
 import functools
+import hashlib
 import logging
 import os
 import secrets
@@ -323,8 +324,10 @@ def service_user_envs(config: StreamConfig, env: Mapping[str, str]) -> dict[str,
 
     Creates the users `splu-worker` and `splu-consumer` with `service.buffer.acl_rules`
     and fresh passwords, as the stream's Redis URL's own (admin) user, on every node of a
-    cluster that is not failed, replicas included: ACL users are per node. The consumer's
-    environment loses the service key: it makes no keyed draw.
+    cluster that is not failed, replicas included: ACL users are per node. A node with an
+    aclfile (every embedded one) saves them there, so that it still knows them after a
+    restart, as a deployment's nodes do. The consumer's environment loses the service key:
+    it makes no keyed draw.
     """
     if config.redis_password_env is None:
         raise ValueError(f"{config.source}: [redis] password_env must name a variable")
@@ -342,6 +345,9 @@ def service_user_envs(config: StreamConfig, env: Mapping[str, str]) -> dict[str,
                 "REDIS_USERNAME": f"splu-{role}",
                 config.redis_password_env: password,
             }
+        for admin in admins:
+            if admin.config_get("aclfile").get("aclfile"):
+                admin.execute_command("ACL", "SAVE")
     finally:
         for admin in admins:
             admin.close()
@@ -468,7 +474,9 @@ class RedisServer(_Server):
 
     `appendfsync always` because a Kafka offset is committed only once its record is in Redis:
     a write Redis acknowledged must survive a crash of Redis too. Fault tests kill() the server
-    and start() it again on the same data dir and port, where it reloads the AOF.
+    and start() it again on the same data dir and port, where it reloads the AOF, and its
+    ACL users from the aclfile in data_dir, where ACL SAVE keeps them (`service_user_envs`):
+    a deployment's server, too, keeps the users it was given across a restart.
     """
 
     name = "Redis-protocol server"
@@ -516,7 +524,30 @@ class RedisServer(_Server):
         config = self.data_dir / "redis.conf"
         config.touch(mode=0o600)
         config.write_text(self._config())
+        self._write_users()
         return [str(self.binary), str(config)]
+
+    @property
+    def acl_file(self) -> Path:
+        return self.data_dir / "users.acl"
+
+    def _write_users(self) -> None:
+        """The aclfile: the default user with this server's password, then the users ACL SAVE
+        wrote there before a restart. Loading the file sets every user, the default one
+        included, so it, not requirepass, holds the password."""
+        self.acl_file.touch(mode=0o600)
+        saved = [
+            line
+            for line in self.acl_file.read_text().splitlines()
+            if not line.startswith("user default ")
+        ]
+        secret = (
+            "nopass"
+            if self.password is None
+            else "#" + hashlib.sha256(self.password.encode()).hexdigest()
+        )
+        lines = [f"user default on {secret} ~* &* +@all", *saved]
+        self.acl_file.write_text("".join(f"{line}\n" for line in lines))
 
     def _config(self) -> str:
         settings = {
@@ -532,9 +563,9 @@ class RedisServer(_Server):
             # A slow Lua step's arguments are raw records and the cut seed; the slow log
             # would keep them for anyone with admin rights to read.
             "slowlog-log-slower-than": "-1",
+            "aclfile": str(self.acl_file),
         }
         if self.password is not None:
-            settings["requirepass"] = self.password
             # A replica authenticates to its master with the same password.
             settings["masterauth"] = self.password
         if self.cluster:

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import faust
+import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from aiokafka.producer.message_accumulator import BatchBuilder
@@ -49,9 +50,11 @@ from faust.types import TP
 from faust.web import Request, Response, View
 from mode import Service
 from prometheus_client import CONTENT_TYPE_LATEST
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from service.buffer import BufferState, StreamBuffer, connect
+from service.buffer import BufferState, ReplicationError, StreamBuffer, connect
 from service.config import StreamConfig
 from service.ingest import PreparedBatch, Preparer, RawMessage, Rejected
 from service.metrics import DELAY_SLACK, delay_histogram, render_worker
@@ -67,6 +70,9 @@ RETRY_CEILING = 5.0  # seconds between retries while Redis or Kafka is away
 # client that reaches no node of its map while a master fails over raises
 # RedisClusterException, which is no RedisError.
 TRANSIENT = (RedisError, RedisClusterException, KafkaError, OSError, asyncio.TimeoutError)
+# Errors whose text says which node or key failed and how, and never quotes a command's
+# arguments (records, in the ingest step), as some RedisClusterException texts do.
+_TELLING = (RedisConnectionError, RedisTimeoutError, ReplicationError, OSError)
 EMIT_CHUNK = 20_000  # records per take from one pool: a backlog leaves in few Redis calls
 TICK_INTERVAL = 1.0  # seconds between time-driven steps
 REUSED_ID = "record id already used with different content"
@@ -76,6 +82,20 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
+def describe(err: BaseException) -> str:
+    """An error for a log line: its type, then the errors that caused it, with the text of
+    those that name a node or key and why it failed (`_TELLING`), e.g. "RedisClusterException,
+    caused by AuthenticationError: invalid username-password pair or user is disabled."."""
+    parts = []
+    cause: BaseException | None = err
+    while cause is not None:
+        text = f": {cause}" if isinstance(cause, _TELLING) and str(cause) else ""
+        parts.append(type(cause).__name__ + text)
+        # The chain a traceback would show.
+        cause = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
+    return ", caused by ".join(parts)
+
+
 async def retrying(what: str, call, *args: object):  # type: ignore[no-untyped-def]
     """Await call(*args) until it succeeds: a batch in hand must wait out an outage."""
     delay = 0.1
@@ -83,7 +103,7 @@ async def retrying(what: str, call, *args: object):  # type: ignore[no-untyped-d
         try:
             return await call(*args)
         except TRANSIENT as err:
-            log.warning("%s failed (%s); retrying in %.1f s", what, type(err).__name__, delay)
+            log.warning("%s failed (%s); retrying in %.1f s", what, describe(err), delay)
             await asyncio.sleep(delay)
             delay = min(2 * delay, RETRY_CEILING)
 
@@ -148,6 +168,39 @@ class Publisher(Service):
             futures.append(await self.producer.send_batch(batch, topic, partition=partition))
         await asyncio.gather(*futures)
         return sent
+
+
+class ClusterMap(Service):
+    """Reads the Redis Cluster's map (its nodes and their slots) into a cluster client as
+    the app starts, before it consumes or serves anything.
+
+    A cluster client knows only the node its URL names until its first command reads the
+    map from that node; from then on every node of the map is one it can ask. A process
+    whose first command comes late (a consumer counts nothing before records are
+    published, hours in a slow stream) and finds that one node failed over and down knows
+    no other node to ask: it fails every command until that node is back.
+    """
+
+    def __init__(self, client: aioredis.Redis, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.client = client
+
+    async def on_start(self) -> None:
+        if not isinstance(self.client, aioredis.RedisCluster):
+            return
+        try:
+            await self.client.initialize()
+        except TRANSIENT as err:
+            # As without this service: the first command reads the map.
+            log.warning("reading the Redis Cluster's map failed (%s)", describe(err))
+
+
+def redis_client(app: faust.App, config: StreamConfig) -> aioredis.Redis:
+    """The app's client of the stream's Redis (`service.buffer.connect`); in a cluster it
+    reads the cluster's map as the app starts (`ClusterMap`)."""
+    client = connect(config)
+    app.add_dependency(ClusterMap(client, loop=app.loop))
+    return client
 
 
 def partition_of(key: bytes, partitions: int) -> int:
@@ -373,7 +426,7 @@ class Emitter:
                 sent.append((partition, items))
         except TRANSIENT as err:
             # Whatever was taken stays in flight; send it again once things recover.
-            log.warning("partition %d: emission failed (%s)", partition, type(err).__name__)
+            log.warning("partition %d: emission failed (%s)", partition, describe(err))
             self.resend.add(partition)
         return sent
 
@@ -530,7 +583,7 @@ def create_app(
     publisher = Publisher(config.kafka_bootstrap, loop=app.loop)
     app.add_dependency(publisher)
     preparer = Preparer(config, key)
-    client = connect(config)
+    client = redis_client(app, config)
     buffer = StreamBuffer(client, config, key)
     emitter = Emitter(config, buffer, publisher, preparer)
     pause = PauseWatch(buffer)
@@ -562,7 +615,7 @@ def create_app(
             try:
                 await buffer.ingest(partition, None, now_ms())
             except TRANSIENT as err:
-                log.warning("partition %d: tick failed (%s)", partition, type(err).__name__)
+                log.warning("partition %d: tick failed (%s)", partition, describe(err))
 
     app.splu_buffer = buffer  # type: ignore[attr-defined]
     return app

@@ -43,7 +43,7 @@ from faust.types import TP
 from faust.web import Request, Response, View
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from service.buffer import BufferState, connect
+from service.buffer import BufferState
 from service.config import StreamConfig
 from service.metrics import delay_histogram, difference, histogram_quantile, render_prometheus
 from service.privacy_tests import (
@@ -71,7 +71,9 @@ from streams.app import (
     Publisher,
     add_health_pages,
     assigned_partitions,
+    describe,
     faust_app,
+    redis_client,
     retrying,
 )
 from streams.bulk import consume_in_bulk
@@ -414,7 +416,7 @@ def create_consumer_app(config: StreamConfig, datadir: Path, host: str, port: in
     )  # fmt: skip
     publisher = Publisher(config.kafka_bootstrap, loop=app.loop)
     app.add_dependency(publisher)
-    client = connect(config)
+    client = redis_client(app, config)
     # The holder of the published topic's partition 0 leads: one per group at a time.
     consumer = Consumer(
         config, client, publisher, leads=lambda: 0 in assigned_partitions(app, published)
@@ -428,7 +430,7 @@ def create_consumer_app(config: StreamConfig, datadir: Path, host: str, port: in
         try:
             await step()
         except TRANSIENT as err:
-            log.warning("%s failed (%s); trying again later", what, type(err).__name__)
+            log.warning("%s failed (%s); trying again later", what, describe(err))
 
     @app.timer(interval=REFRESH_INTERVAL)
     async def refresh() -> None:

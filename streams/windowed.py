@@ -28,7 +28,6 @@ from pathlib import Path
 
 import faust
 
-from service.buffer import connect
 from service.config import StreamConfig
 from service.prf import ServiceKey
 from service.windowed import WindowBuffer, WindowPreparer, encode_staged, render_window
@@ -41,8 +40,10 @@ from streams.app import (
     add_ingest,
     add_metrics_page,
     assigned_partitions,
+    describe,
     faust_app,
     now_ms,
+    redis_client,
 )
 
 log = logging.getLogger("splu.windowed")
@@ -64,7 +65,7 @@ def create_windowed_app(
     publisher = Publisher(config.kafka_bootstrap, loop=app.loop)
     app.add_dependency(publisher)
     preparer = WindowPreparer(config, key)
-    client = connect(config)
+    client = redis_client(app, config)
     buffer = WindowBuffer(client, config)
     pause = PauseWatch(buffer)
 
@@ -120,7 +121,7 @@ def create_windowed_app(
             except TRANSIENT as err:
                 # The window stays queued (and staged, if it got that far): the next round
                 # sends it again with the same tokens.
-                log.warning("partition %d: publication failed (%s)", partition, type(err).__name__)
+                log.warning("partition %d: publication failed (%s)", partition, describe(err))
         return published
 
     @app.task
@@ -136,7 +137,7 @@ def create_windowed_app(
             try:
                 await buffer.ingest(partition, None, now_ms())
             except TRANSIENT as err:
-                log.warning("partition %d: tick failed (%s)", partition, type(err).__name__)
+                log.warning("partition %d: tick failed (%s)", partition, describe(err))
 
     app.splu_buffer = buffer  # type: ignore[attr-defined]
     return app

@@ -187,6 +187,28 @@ def test_redis_keeps_acknowledged_writes_across_stop_and_kill(tmp_path: Path) ->
     assert "ready to exit" in (tmp_path / "redis" / "server.log").read_text()
 
 
+def test_a_restarted_server_keeps_its_saved_users_and_its_password(tmp_path: Path) -> None:
+    # As a deployment's server keeps the ACL users it was given (an aclfile): a cluster node
+    # that lost the service users after a restart refused every process that asked it for
+    # the cluster's map.
+    server = RedisServer(tmp_path / "redis", password="admin-secret")
+    server.start()
+    try:
+        admin = redis.Redis.from_url(server.url)
+        admin.execute_command("ACL", "SETUSER", "splu-test", "on", ">user-secret", "~*", "+@all")
+        admin.execute_command("ACL", "SAVE")
+        server.kill()
+        server.start()
+        user = redis.Redis(host="127.0.0.1", port=server.port, username="splu-test",
+                           password="user-secret")  # fmt: skip
+        assert user.ping()
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(host="127.0.0.1", port=server.port).ping()
+        assert redis.Redis.from_url(server.url).ping()
+    finally:
+        server.stop()
+
+
 def test_a_server_that_cannot_start_reports_why_and_is_gone(tmp_path: Path) -> None:
     with socket.create_server(("127.0.0.1", 0)) as taken:
         server = RedisServer(tmp_path / "redis", port=taken.getsockname()[1])

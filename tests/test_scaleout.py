@@ -18,8 +18,8 @@ SIGKILLed and started again. Then:
 - /healthz and /readyz answer 200 on all five processes.
 
 A second test kills the master of a partition's slot on a cluster with replicas and fails
-over to its replica (CLUSTER FAILOVER FORCE), mid-stream: the worker rides through and
-nothing is lost.
+over to its replica (CLUSTER FAILOVER FORCE), mid-stream: the worker and the consumer ride
+through and nothing is lost, though that master is the only node they were told of.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from test_consumer import BATCH_OPTIONS, random_queries, wait_for, write_publish
 
 from deploy.embedded import (
     EmbeddedServers,
+    RedisCluster,
     free_port,
     service_user_envs,
     spawn_consumer,
@@ -47,7 +48,7 @@ from deploy.embedded import (
 from service import client
 from service.cli import main
 from service.running_counts import RunningCounts
-from streams.app import partition_of
+from streams.app import ClusterMap, partition_of
 from streams.produce import produce
 from streams.topics import create_topics
 
@@ -96,9 +97,19 @@ def page(url: str) -> int:
 class Fleet:
     """The stream's worker and consumer processes, each with its health pages."""
 
-    def __init__(self, harness: Harness, tmp_path: Path, workers: int, consumers: int) -> None:
+    def __init__(
+        self,
+        harness: Harness,
+        tmp_path: Path,
+        workers: int,
+        consumers: int,
+        redis_url: str | None = None,
+    ) -> None:
+        """`redis_url`: the node the processes are told of (REDIS_URL), if not the
+        harness's."""
         self.harness = harness
-        self.envs = service_user_envs(harness.config, harness.env)
+        env = harness.env if redis_url is None else {**harness.env, "REDIS_URL": redis_url}
+        self.envs = service_user_envs(harness.config, env)
         self.logs = tmp_path
         self.worker_ports = [free_port() for _ in range(workers)]
         self.consumer_ports = [free_port() for _ in range(consumers)]
@@ -234,6 +245,34 @@ def test_three_workers_and_two_consumers_on_a_redis_cluster_through_kills(
         fleet.stop()
 
 
+@pytest.mark.redis
+def test_a_process_learns_every_node_of_the_cluster_as_it_starts(tmp_path):
+    """A cluster client knows only the node its URL names until it reads the cluster's map.
+    A process reads it as it starts (`streams.app.ClusterMap`), so a command it sends only
+    after that node failed still finds its slot's master. Before, a consumer that had
+    counted nothing yet when the failover test killed that node failed every command."""
+    cluster = RedisCluster(tmp_path / "redis", masters=3)
+    cluster.start()
+    try:
+        seed = cluster.nodes[0]
+        key = next(
+            key for key in (f"key-{i}" for i in range(100)) if cluster.master_of(key) is not seed
+        )
+
+        async def set_after_the_seed_died() -> None:
+            client = aioredis.RedisCluster.from_url(seed.url)
+            try:
+                await ClusterMap(client).on_start()
+                seed.kill()
+                await client.set(key, "value")
+            finally:
+                await client.aclose()
+
+        asyncio.run(set_after_the_seed_died())
+    finally:
+        cluster.stop()
+
+
 @pytest.fixture(scope="module")
 def replicated_cluster(tmp_path_factory):
     directory = tmp_path_factory.mktemp("replicated")
@@ -247,7 +286,11 @@ def test_a_worker_and_a_consumer_ride_through_a_master_failover(replicated_clust
     FAILOVER FORCE, start the old master again (it follows the new one): no process exits,
     and every record is accounted for and counted. The stream confirms each write with one
     replica (`replica_acks = 1`, Redis WAIT) before it commits an offset or publishes, so
-    the replica holds whatever was relied on."""
+    the replica holds whatever was relied on.
+
+    That master is the node the processes' REDIS_URL names, the one a cluster client first
+    asks for the cluster's map: a process must have learnt the other nodes from it by the
+    time it fails, also one (the consumer) that had sent no command yet."""
     harness = Harness(
         replicated_cluster, tmp_path, "adult-decoy.toml", row_column=False,
         reports={"fail_closed": []}, redis_settings={"replica_acks": 1},
@@ -255,7 +298,9 @@ def test_a_worker_and_a_consumer_ride_through_a_master_failover(replicated_clust
     config = harness.config
     cluster = replicated_cluster.redis
     asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
-    fleet = Fleet(harness, tmp_path, workers=1, consumers=1)
+    slot_key = f"splu:{{{config.name}:0}}"
+    master = cluster.master_of(slot_key)
+    fleet = Fleet(harness, tmp_path, workers=1, consumers=1, redis_url=master.url)
     try:
         # Slower: the failover must come well before the stream's end.
         producer = produce_in_background(harness, rate=RATE / 2)
@@ -263,8 +308,6 @@ def test_a_worker_and_a_consumer_ride_through_a_master_failover(replicated_clust
             lambda: asyncio.run(totals(harness)).get("ingested", 0) >= KILL_AT,
             "records to arrive",
         )
-        slot_key = f"splu:{{{config.name}:0}}"
-        master = cluster.master_of(slot_key)
         replica = cluster.replica_of(master)
         assert replica is not None
         master.kill()
