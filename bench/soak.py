@@ -62,12 +62,14 @@ each a child process.
   the account.
 
 Default rate: 3,000 records/s (DEFAULT_RATE), fixed so that soaks compare across runs:
-60% of the ~5,000 records/s pipeline capacity before the bulk path of issue 13, about 15%
-of the ~19,700 ``bench/stream_throughput.py`` measures since. Here the consumer and the
-producer share the same two cores and the same single-threaded Redis; measured by this
-script at 3,000 records/s (steady phase, 2026-11-25), a record costs about 29 µs of
-worker CPU, 45 µs of consumer CPU, 56 µs of Redis, 16 µs of broker and 14 µs of producer:
-about 160 µs, under half a core. Fetches are small at this rate, so per-fetch costs weigh
+60% of the ~5,000 records/s pipeline capacity before the bulk path of issue 13, under 10%
+of the ~35,000 ``bench/stream_throughput.py`` measures while a stream flows since. Here the
+consumer and the producer share the same two cores and the same single-threaded Redis;
+measured by this script at 3,000 records/s (steady phase, 2026-11-26), a record costs
+about 21 µs of worker CPU, 102 µs of consumer CPU (45 µs on 2026-11-25, before the
+consumer counted windowed streams and served Prometheus metrics; not yet explained), 40 µs
+of Redis, 17 µs of broker and 16 µs of producer: about 200 µs, under half a core. Fetches
+are small at this rate, so per-fetch costs weigh
 more than in the throughput benchmark. The backlog table says whether the machine kept up
 (a machine busy with other work may not: lower --rate). Redis used_memory grows by design
 in an unwindowed run: every record id and published token keeps its fingerprint for the
@@ -126,7 +128,7 @@ from service.running_counts import RunningCounts
 from streams.produce import produce
 from streams.topics import create_topics
 
-CAPACITY = 19_700.0  # records/s: pipeline capacity by bench/stream_throughput.py, 2 cores
+CAPACITY = 35_000.0  # records/s while the stream flows: bench/stream_throughput.py, 2 cores
 # Fixed, so that soaks compare across runs (it was 60% of the capacity of 5,000 records/s
 # measured before the bulk path of issue 13).
 DEFAULT_RATE = 3000.0
