@@ -217,15 +217,6 @@ class Preparer:
             )
         return batches, rejected
 
-    def _fast_codes(self, values: list[bytes | None]) -> list[list[int] | None]:
-        """`_fast_rows` per record: its codes in schema order where the fast path vouches for
-        them, else None (where `_validate` decides); the form tests hold against `_validate`."""
-        positions, codes = self._fast_rows(values)
-        out: list[list[int] | None] = [None] * len(values)
-        for position, row in zip(positions.tolist(), codes.tolist(), strict=True):
-            out[position] = row
-        return out
-
     def _fast_rows(self, values: list[bytes | None]) -> tuple[np.ndarray, np.ndarray]:
         """The positions of the records the fast path vouches for, ascending, and their
         codes in schema order, one row each.

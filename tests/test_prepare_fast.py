@@ -18,7 +18,6 @@ import functools
 import hashlib
 import json
 import random
-import sys
 import tomllib
 from pathlib import Path
 
@@ -36,13 +35,11 @@ from service.ingest import (
     Preparer,
     RawMessage,
     Rejected,
-    _DuplicateKeyError,
-    _unique_keys,
 )
 from service.mechanisms.decoy import DecoyGroups
 from service.mechanisms.personal import PersonalGroups, UniformPerturbation
 from service.prf import ServiceKey, prf128
-from service.schema import Attribute, RecordError, Rejection, Schema
+from service.schema import Attribute, RecordError, Schema
 from service.table import Table, open_sample
 from service.windowed import WindowPreparer
 
@@ -158,33 +155,10 @@ class ReferencePreparer:
                 out[rows[j]] = list(row)
         return out
 
-    def _validate(self, message: RawMessage) -> list[int]:
-        where = f"{message.partition}/{message.offset}"
-
-        def reject(reason: str) -> RecordError:
-            return RecordError(Rejection(where, None, reason))
-
-        value = message.value
-        if not value:
-            raise reject("empty message")
-        if len(value) > MAX_MESSAGE_BYTES:
-            raise reject(f"message of {len(value):,} bytes exceeds {MAX_MESSAGE_BYTES:,}")
-        try:
-            record = json.loads(value.decode("utf-8"), object_pairs_hook=_unique_keys)
-        except UnicodeDecodeError:
-            raise reject("not valid UTF-8") from None
-        except json.JSONDecodeError as err:
-            raise reject(f"not valid JSON: {err.msg}") from None
-        except RecursionError:
-            raise reject("not valid JSON: nested too deeply") from None
-        except _DuplicateKeyError:
-            # Not named: a nested object's key may be part of a sensitive value.
-            raise reject("an object has the same key twice") from None
-        except ValueError:  # int() refuses longer numbers, and an exception here ends the worker
-            raise reject(
-                f"a number has more than {sys.get_int_max_str_digits():,} digits"
-            ) from None
-        return self.schema.encode_record(record, where)
+    # Unchanged by issue 13: the exact path, and how pool entries are read.
+    _validate = Preparer._validate
+    codes_of = Preparer.codes_of
+    decode = Preparer.decode
 
     def identify(
         self, partition: int, messages: list[RawMessage], codes: np.ndarray
@@ -242,25 +216,6 @@ class ReferencePreparer:
                 codes[:, self._sensitive[0]], ids, self.key, names[0]
             )
         return batch
-
-    def codes_of(self, member: bytes) -> list[int]:
-        """A pool entry's codes in schema order.
-
-        Entries are "public codes|published sensitive codes|audit|true sensitive
-        codes|arrival|id" (`service.buffer.PoolEntry`); only the first two fields are ever
-        published.
-        """
-        public_text, sensitive_text, _ = member.split(b"|", 2)
-        public = iter(public_text.split(b",") if public_text else ())
-        sensitive = iter(sensitive_text.split(b","))
-        return [int(next(sensitive if a.sensitive else public)) for a in self.schema.attributes]
-
-    def decode(self, member: bytes) -> dict[str, str]:
-        """A pool entry as the published record: attribute → label."""
-        return {
-            a.name: a.domain[code]
-            for a, code in zip(self.schema.attributes, self.codes_of(member), strict=True)
-        }
 
     def published_json(self, member: bytes) -> bytes:
         """`decode` as JSON bytes, from fragments encoded once per attribute value."""
