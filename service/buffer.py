@@ -32,6 +32,7 @@ import secrets
 from collections.abc import Callable, Iterable
 from contextlib import suppress
 from dataclasses import dataclass
+from hashlib import sha1
 from importlib import resources
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -207,6 +208,14 @@ def lua_script(*names: str) -> str:
 
 def _lua_list(values: tuple[int, ...]) -> str:
     return "{" + ", ".join(map(str, values)) + "}"
+
+
+def take_tokens(seed: str, count: int) -> str:
+    """The tokens of a take's first `count` records, as emit.lua draws each: the first 32
+    hex digits of SHA-1(seed:t:j), concatenated. Hashing them here spares Redis, the
+    pipeline's busiest process, work that costs it more than the rest of a take."""
+    prefix = f"{seed}:t:".encode()
+    return "".join(sha1(b"%b%d" % (prefix, j)).hexdigest()[:32] for j in range(1, count + 1))
 
 
 @dataclass(frozen=True)
@@ -405,6 +414,9 @@ class StreamBuffer(BufferState):
         need a reproducible run replace the operating system's."""
         super().__init__(client, config)
         self._entropy = entropy
+        # Records in each partition's pool when this worker last stored or took there: how
+        # many tokens a take will need (`take_tokens`).
+        self._pooled: dict[int, int] = {}
         # The bounded budget's share bound is personal.lua's only helper of its own.
         helpers = ("bound",) if config.personal is not None else ()
         self._ingest = client.register_script(
@@ -487,6 +499,7 @@ class StreamBuffer(BufferState):
         statuses = [0] * count
         for position in range(2, len(result), 2):
             statuses[int(result[position]) - 1] = int(result[position + 1])
+        self._pooled[partition] = int(result[1])
         return IngestOutcome(statuses, int(result[0]), int(result[1]))
 
     def _records(self, batch: PreparedBatch, offsets: list[int] | None = None) -> list[bytes]:
@@ -518,16 +531,19 @@ class StreamBuffer(BufferState):
         """Records due for publication by the mixing rule, each under a fresh random token:
         at most `limit` of the excess over the floor, or the whole pool at the stream's
         end. Each take draws 128 fresh bits from the OS for its shuffle and tokens."""
+        seed = self._entropy(SHUFFLE_SEED_BYTES)
+        expected = min(limit, self._pooled.get(partition, 0) - self.config.mixing_pool)
         args = [
             now_ms, self.config.mixing_pool, int(self.config.flush_interval * 1000), limit,
-            self._entropy(SHUFFLE_SEED_BYTES),
+            seed, take_tokens(seed, expected),
         ]  # fmt: skip
-        blob = await self._take(keys=[self.prefix(partition)], args=args)
-        if blob:
-            await self.replication.confirm(self.prefix(partition))
+        flight = await self._take(keys=[self.prefix(partition)], args=args)
+        if not flight:
+            return []
+        await self.replication.confirm(self.prefix(partition))
+        self._pooled[partition] = max(self._pooled.get(partition, 0) - len(flight) // 2, 0)
         return [
-            (token.decode(), entry)
-            for token, _, entry in (line.partition(b" ") for line in blob.split(b"\n") if line)
+            (token.decode(), entry) for token, entry in zip(flight[::2], flight[1::2], strict=True)
         ]
 
     async def in_flight(self, partition: int) -> list[tuple[str, bytes]]:

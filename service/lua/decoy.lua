@@ -104,6 +104,28 @@ local function finish(id, record)
   pooled = pooled + 1
 end
 
+-- With one sensitive attribute a cut group is sealed at once: each member is done and
+-- goes to the pool, with no record of the group kept. The same entries as assign() and
+-- finish() would write, without their per-member calls.
+local function pool_group(members, chosen, audit)
+  for j = 1, #members do
+    local id = members[j]
+    local record = records[id] or load(id)
+    local arrival = record[1] == now and now_text or record[1]
+    pool_entries[#pool_entries + 1] = now_text
+    pool_entries[#pool_entries + 1] = record[2] .. '|' .. chosen[record[4][1] + 1] .. '|'
+      .. audit .. '|' .. record[3][1] .. '|' .. arrival .. '|' .. id
+    if arrived[id] == true then
+      arrived[id] = 'grouped'
+    else
+      redis.call('ZREM', k_time, id)
+      unstored[#unstored + 1] = id
+    end
+    records[id], dirty[id], finished[id] = nil, nil, true
+  end
+  pooled = pooled + #members
+end
+
 local function sealed(record)
   for a = 1, w do
     if group_open(record[8][a]) then return false end
@@ -230,6 +252,11 @@ for start = 1, n, 1000 do
 end
 local any_holes = redis.call('SCARD', k_holes) > 0
 local added = 0
+-- A record waiting on one attribute has no published values, audits or groups yet, and
+-- never gets them in place (pool_group builds its entry): one shared empty table stands
+-- for the three.
+local NONE = {}
+local bucket_of_value = to_bucket[1]
 for r = 1, n do
   local id, bucket, key, digest, public, value_text, draw_text, offset =
     fields_of(ARGV[7 + r], 4)
@@ -238,6 +265,16 @@ for r = 1, n do
     status[#status + 1] = r
     status[#status + 1] = 1
     redelivered = redelivered + 1
+  elseif fresh and w == 1 and not any_holes then
+    records[id] = {now, public, {value_text}, {tonumber(draw_text)}, NONE, 1, NONE, NONE}
+    dirty[id], arrived[id] = true, true
+    local ids = bucket_of_value[value_text]
+    if ids == nil then
+      bucket_of_value[value_text] = {id}
+    else
+      ids[#ids + 1] = id
+    end
+    added = added + 1
   elseif fresh then
     local values, draws
     if w == 1 then
@@ -287,74 +324,88 @@ local function cut(a)
     if c > 0 then nonempty = nonempty + 1 end
   end
   table.sort(values, numeric)
+  local nv = #values
   -- The values of every group first: they depend on bucket sizes only. Then each bucket
   -- gives all the members it owes at once (ZPOPMIN with a count takes the same smallest
-  -- ids, in the same order, as one pop per group).
+  -- ids, in the same order, as one pop per group). Loops here run per group over every
+  -- value: numeric for loops, as ipairs costs a C call per step in Redis's Lua.
   local plan, owed = {}, {}
   while nonempty >= gamma do
-    local chosen, taken, weight = {}, {}, 0
-    for _, v in ipairs(values) do
-      if size[v] > 0 and size[v] * gamma >= pending then
-        chosen[#chosen + 1] = v
+    local taken, weight, forced = {}, 0, 0
+    for i = 1, nv do
+      local v = values[i]
+      local s = size[v]
+      if s > 0 and s * gamma >= pending then
         taken[v] = true
-        weight = weight + size[v]
+        forced = forced + 1
+        weight = weight + s
       end
     end
-    while #chosen < gamma do
+    for _ = forced + 1, gamma do
       local x = uniform() * (pending - weight)
       local pick
-      for _, v in ipairs(values) do
-        if size[v] > 0 and not taken[v] then
+      for i = 1, nv do
+        local v = values[i]
+        local s = size[v]
+        if s > 0 and not taken[v] then
           pick = v
-          x = x - size[v]
+          x = x - s
           if x < 0 then break end
         end
       end
-      chosen[#chosen + 1] = pick
       taken[pick] = true
       weight = weight + size[pick]
     end
     -- In numeric order, as `values` is: no comparisons, each a tonumber of both sides.
-    chosen = {}
-    for _, v in ipairs(values) do
-      if taken[v] then chosen[#chosen + 1] = v end
+    local chosen = {}
+    for i = 1, nv do
+      local v = values[i]
+      if taken[v] then
+        chosen[#chosen + 1] = v
+        owed[v] = (owed[v] or 0) + 1
+        local left = size[v] - 1
+        size[v] = left
+        if left == 0 then nonempty = nonempty - 1 end
+      end
     end
-    for _, v in ipairs(chosen) do
-      owed[v] = (owed[v] or 0) + 1
-      size[v] = size[v] - 1
-      pending = pending - 1
-      if size[v] == 0 then nonempty = nonempty - 1 end
-    end
+    pending = pending - gamma
     plan[#plan + 1] = chosen
   end
   local popped = {}
   for v, count in pairs(owed) do
     popped[v] = {list = redis.call('ZPOPMIN', bucket_key(a, v), count), next = 1}
   end
-  for _, chosen in ipairs(plan) do
+  for p = 1, #plan do
+    local chosen = plan[p]
     local members = {}
-    for j, v in ipairs(chosen) do
-      local from = popped[v]
+    for j = 1, gamma do
+      local from = popped[chosen[j]]
       members[j] = from.list[from.next]
       from.next = from.next + 2
     end
     groups = groups + 1
     local number = numbered + groups
-    local open, done, audit = 0, {}, audit_of(number, chosen)
-    for _, id in ipairs(members) do
-      local record = assign(id, a, chosen, number, audit)
-      if record[6] == 0 then done[#done + 1] = id else open = open + 1 end
-    end
-    if open > 0 then
-      redis.call('HSET', group_key(number), 'open', open, 'values', table.concat(chosen, ','),
-        'members', table.concat(members, ','))
-      redis.call('SADD', k_open, number)
-      cut_open[number] = true
-    end
-    for _, id in ipairs(done) do completed(id, records[id], number) end
-    drain_seals()
-    for _, id in ipairs(done) do
-      if records[id] then try_pool(id) end
+    local audit = audit_of(number, chosen)
+    if w == 1 then
+      pool_group(members, chosen, audit)
+    else
+      local open, done = 0, {}
+      for j = 1, gamma do
+        local id = members[j]
+        local record = assign(id, a, chosen, number, audit)
+        if record[6] == 0 then done[#done + 1] = id else open = open + 1 end
+      end
+      if open > 0 then
+        redis.call('HSET', group_key(number), 'open', open, 'values', table.concat(chosen, ','),
+          'members', table.concat(members, ','))
+        redis.call('SADD', k_open, number)
+        cut_open[number] = true
+      end
+      for _, id in ipairs(done) do completed(id, records[id], number) end
+      drain_seals()
+      for _, id in ipairs(done) do
+        if records[id] then try_pool(id) end
+      end
     end
   end
   for _, v in ipairs(values) do

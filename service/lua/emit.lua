@@ -15,15 +15,16 @@
 --
 -- KEYS[1]  the partition's key prefix.
 -- ARGV     now_ms, floor (records), quiet_ms, most records to move as excess, a fresh
---          random seed (32 hex digits).
--- Returns  one string, "token entry" lines (entries hold no space or newline), because
---          one reply parses far faster than two per record.
+--          random seed (32 hex digits), and optionally the first tokens of the take
+--          (below), 32 hex digits each, concatenated.
+-- Returns  token, entry, token, entry, ... in the order drawn.
 
 local base = KEYS[1]
 local k_pool, k_inflight = base .. ':pool', base .. ':inflight'
 local k_delay, k_stats = base .. ':delay', base .. ':stats'
 local now, floor, quiet_ms = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local limit, seed = tonumber(ARGV[4]), ARGV[5]
+local given = ARGV[6] or ''
 assert(#seed >= 32, 'the shuffle needs a seed of at least 128 bits')
 
 local size = redis.call('ZCARD', k_pool)
@@ -32,7 +33,7 @@ if count <= 0 and size > 0 and size >= floor then
   local newest = redis.call('ZRANGE', k_pool, -1, -1, 'WITHSCORES')
   if now - tonumber(newest[2]) >= quiet_ms then count = size end
 end
-if count <= 0 then return '' end
+if count <= 0 then return {} end
 
 local uniform = sha1_uniforms(seed, 0, 12)
 
@@ -73,14 +74,24 @@ local function delay_bucket(arrival)
   return bucket_of[arrival]
 end
 
-local in_bucket, total_ms, lines, flight = {}, 0, {}, {}
+-- Token j is the first 128 bits of SHA-1(seed:t:j): unique and unpredictable per
+-- record. The worker sends those of the records it expects (service/buffer.py computes
+-- them alike), as hashing costs Redis more than its whole part of the take otherwise;
+-- the rest are hashed here.
+local given_count = math.floor(#given / 32)
+local in_bucket, total_ms, flight = {}, 0, {}
 for j = 1, count do
   local entry = members[j]
-  -- 128 bits of SHA-1 of the fresh seed: unique and unpredictable per record.
-  local token = string.sub(redis.sha1hex(seed .. ':t:' .. j), 1, 32)
+  local token
+  if j <= given_count then
+    token = string.sub(given, 32 * j - 31, 32 * j)
+  else
+    token = string.sub(redis.sha1hex(seed .. ':t:' .. j), 1, 32)
+  end
   flight[2 * j - 1], flight[2 * j] = token, entry
-  lines[j] = token .. ' ' .. entry
-  local arrival = string.match(entry, '|(%d+)|[^|]*$')
+  -- An entry ends "|arrival|id", the id 32 hex digits: the scan starts 64 characters
+  -- from the end rather than at every position of the entry.
+  local arrival = string.match(entry, '|(%d+)|[^|]*$', -64)
   local placed = bucket_of[arrival] or delay_bucket(arrival)
   in_bucket[placed[1]] = (in_bucket[placed[1]] or 0) + 1
   total_ms = total_ms + placed[2]
@@ -99,4 +110,4 @@ end
 redis.call('HINCRBY', k_delay, 'count', count)
 redis.call('HINCRBY', k_delay, 'sum_ms', total_ms)
 redis.call('HSET', k_stats, 'pool', size - count, 'in_flight', redis.call('HLEN', k_inflight))
-return table.concat(lines, '\n')
+return flight
