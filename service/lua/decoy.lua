@@ -222,20 +222,60 @@ local function add_to_bucket(id, a, v)
   ids[#ids + 1] = id
 end
 
-local function store_bucket_additions()
+-- This call's arrivals count in :n:<a> before the cut, but enter their bucket only if the
+-- cut leaves them waiting (store_leftovers): most are grouped in the call they arrive,
+-- and a bucket write and pop each would cost Redis more than the rest of their grouping.
+local function count_bucket_additions()
   for a = 1, w do
     for v, ids in pairs(to_bucket[a]) do
-      for start = 1, #ids, 1000 do
-        local members = {}
-        for j = start, math.min(start + 999, #ids) do
-          members[#members + 1] = '0'
-          members[#members + 1] = ids[j]
-        end
-        redis.call('ZADD', bucket_key(a, v), unpack(members))
-      end
       redis.call('HINCRBY', base .. ':n:' .. a, v, #ids)
     end
   end
+end
+
+local function store_leftovers(a)
+  for v, ids in pairs(to_bucket[a]) do
+    for start = 1, #ids, 1000 do
+      local members = {}
+      for j = start, math.min(start + 999, #ids) do
+        members[#members + 1] = '0'
+        members[#members + 1] = ids[j]
+      end
+      redis.call('ZADD', bucket_key(a, v), unpack(members))
+    end
+  end
+end
+
+-- The `count` smallest ids among value v's bucket and this call's arrivals of v, in
+-- ascending order: what ZPOPMIN would pop had the arrivals been added first (bucket
+-- scores are all 0, so the order is the ids' bytes, which Lua's comparison of hex digits
+-- follows). The arrivals not taken stay in to_bucket for store_leftovers.
+local function smallest(a, v, count)
+  local key, arrivals = bucket_key(a, v), to_bucket[a][v]
+  local ids = {}
+  if arrivals == nil then
+    local popped = redis.call('ZPOPMIN', key, count)
+    for j = 1, #popped, 2 do ids[#ids + 1] = popped[j] end
+    return ids
+  end
+  table.sort(arrivals)
+  local waiting = redis.call('ZRANGE', key, 0, count - 1)
+  local i, j = 1, 1
+  for k = 1, count do
+    local x, y = waiting[i], arrivals[j]
+    if y == nil or (x ~= nil and x < y) then
+      ids[k] = x
+      i = i + 1
+    else
+      ids[k] = y
+      j = j + 1
+    end
+  end
+  if i > 1 then redis.call('ZPOPMIN', key, i - 1) end
+  local rest = {}
+  for k = j, #arrivals do rest[#rest + 1] = arrivals[k] end
+  to_bucket[a][v] = rest
+  return ids
 end
 
 open_dedup(base, n, 7)
@@ -300,7 +340,7 @@ for r = 1, n do
   end
 end
 
-store_bucket_additions()
+count_bucket_additions()
 
 -- Keyed uniforms: SHA-1 of a secret per-partition seed and a persistent counter, so
 -- no two cuts reuse randomness and a replay of the same state cuts the same groups.
@@ -326,8 +366,8 @@ local function cut(a)
   table.sort(values, numeric)
   local nv = #values
   -- The values of every group first: they depend on bucket sizes only. Then each bucket
-  -- gives all the members it owes at once (ZPOPMIN with a count takes the same smallest
-  -- ids, in the same order, as one pop per group). Loops here run per group over every
+  -- gives all the members it owes at once, its smallest ids (`smallest`), the same ids in
+  -- the same order as one pop per group would take. Loops here run per group over every
   -- value: numeric for loops, as ipairs costs a C call per step in Redis's Lua.
   local plan, owed = {}, {}
   while nonempty >= gamma do
@@ -373,7 +413,7 @@ local function cut(a)
   end
   local popped = {}
   for v, count in pairs(owed) do
-    popped[v] = {list = redis.call('ZPOPMIN', bucket_key(a, v), count), next = 1}
+    popped[v] = {list = smallest(a, v, count), next = 1}
   end
   for p = 1, #plan do
     local chosen = plan[p]
@@ -381,7 +421,7 @@ local function cut(a)
     for j = 1, gamma do
       local from = popped[chosen[j]]
       members[j] = from.list[from.next]
-      from.next = from.next + 2
+      from.next = from.next + 1
     end
     groups = groups + 1
     local number = numbered + groups
@@ -408,6 +448,7 @@ local function cut(a)
       end
     end
   end
+  store_leftovers(a)
   for _, v in ipairs(values) do
     if size[v] > 0 then
       redis.call('HSET', key_counts, v, size[v])
