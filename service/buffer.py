@@ -48,6 +48,7 @@ from service.prf import ServiceKey
 
 # Fresh OS randomness behind each take's shuffle and tokens: 128 bits, beyond any search.
 SHUFFLE_SEED_BYTES = 16
+TOKEN_HEX = 32  # an emission token: 128 bits of SHA-1, as hex (emit.lua)
 
 
 def _csv(codes: list[int]) -> bytes:
@@ -210,12 +211,18 @@ def _lua_list(values: tuple[int, ...]) -> str:
     return "{" + ", ".join(map(str, values)) + "}"
 
 
-def take_tokens(seed: str, count: int) -> str:
-    """The tokens of a take's first `count` records, as emit.lua draws each: the first 32
-    hex digits of SHA-1(seed:t:j), concatenated. Hashing them here spares Redis, the
-    pipeline's busiest process, work that costs it more than the rest of a take."""
-    prefix = f"{seed}:t:".encode()
-    return "".join(sha1(b"%b%d" % (prefix, j)).hexdigest()[:32] for j in range(1, count + 1))
+def take_tokens(seed: str, count: int) -> tuple[str, str]:
+    """What emit.lua hashes for a take of `count` records, hashed here instead: Redis is
+    the pipeline's busiest process, and SHA-1 in Lua cost it more than the rest of a take.
+    The tokens, the first 32 hex digits of SHA-1(seed:t:j) for j = 1..count, and the
+    shuffle's blocks, SHA-1(seed:k) for k = 1..ceil(count / 3) (three uniforms a block),
+    each concatenated."""
+    key = seed.encode()
+    tokens = "".join(
+        sha1(b"%b:t:%d" % (key, j)).hexdigest()[:TOKEN_HEX] for j in range(1, count + 1)
+    )
+    blocks = "".join(sha1(b"%b:%d" % (key, k)).hexdigest() for k in range(1, (count + 2) // 3 + 1))
+    return tokens, blocks
 
 
 @dataclass(frozen=True)
@@ -535,7 +542,7 @@ class StreamBuffer(BufferState):
         expected = min(limit, self._pooled.get(partition, 0) - self.config.mixing_pool)
         args = [
             now_ms, self.config.mixing_pool, int(self.config.flush_interval * 1000), limit,
-            seed, take_tokens(seed, expected),
+            seed, *take_tokens(seed, expected),
         ]  # fmt: skip
         flight = await self._take(keys=[self.prefix(partition)], args=args)
         if not flight:
@@ -558,6 +565,9 @@ class StreamBuffer(BufferState):
     async def acknowledge(self, partition: int, tokens: list[str], now_ms: int) -> None:
         """Forget emissions the broker acknowledged, counting them into the truth tally."""
         if tokens:
+            joined = "".join(tokens)
+            if len(joined) != TOKEN_HEX * len(tokens):
+                raise ValueError(f"emission tokens are {TOKEN_HEX} hex digits each")
             await self._acknowledge(
-                keys=[self.prefix(partition)], args=[now_ms, self._retention, *tokens]
+                keys=[self.prefix(partition)], args=[now_ms, self._retention, joined]
             )

@@ -35,7 +35,7 @@ import asyncio
 import logging
 import time
 import zlib
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -73,6 +73,7 @@ TRANSIENT = (RedisError, RedisClusterException, KafkaError, OSError, asyncio.Tim
 # Errors whose text says which node or key failed and how, and never quotes a command's
 # arguments (records, in the ingest step), as some RedisClusterException texts do.
 _TELLING = (RedisConnectionError, RedisTimeoutError, ReplicationError, OSError)
+TAKES_IN_FLIGHT = 2  # takes of one partition being published at once (Emitter.emit_partition)
 EMIT_CHUNK = 20_000  # records per take from one pool: a backlog leaves in few Redis calls
 TICK_INTERVAL = 1.0  # seconds between time-driven steps
 REUSED_ID = "record id already used with different content"
@@ -421,9 +422,27 @@ class Emitter:
                     await self.publish(partition, waiting, now)
                 self.resend.discard(partition)
                 self.owned.add(partition)
-            while items := await self.buffer.take(partition, now, EMIT_CHUNK):
-                await self.publish(partition, items, now)
+            # The next take is drawn in Redis while the broker acknowledges the last one.
+            sending: deque[tuple[asyncio.Future, list[tuple[str, bytes]]]] = deque()
+
+            async def settle_oldest() -> None:
+                publication, items = sending[0]
+                await publication
+                sending.popleft()
                 sent.append((partition, items))
+
+            try:
+                while items := await self.buffer.take(partition, now, EMIT_CHUNK):
+                    publication = asyncio.ensure_future(self.publish(partition, items, now))
+                    sending.append((publication, items))
+                    if len(sending) >= TAKES_IN_FLIGHT:
+                        await settle_oldest()
+                while sending:
+                    await settle_oldest()
+            finally:
+                # After a failure, the publications still running end before the partition is
+                # emitted again; what they fail to send stays in flight too.
+                await asyncio.gather(*(p for p, _ in sending), return_exceptions=True)
         except TRANSIENT as err:
             # Whatever was taken stays in flight; send it again once things recover.
             log.warning("partition %d: emission failed (%s)", partition, describe(err))

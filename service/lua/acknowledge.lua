@@ -9,7 +9,9 @@
 -- each expires by itself two periods after its last write, so exact tallies never
 -- outlive their use even if no worker runs.
 --
--- KEYS[1] the partition's key prefix; ARGV now_ms, retention (ms), then the tokens.
+-- KEYS[1] the partition's key prefix; ARGV now_ms, retention (ms), the tokens (32 hex
+-- digits each) concatenated: one argument rather than one per record, for the client to
+-- encode and Redis to read.
 local base = KEYS[1]
 local k_inflight, k_stats = base .. ':inflight', base .. ':stats'
 local now, retention = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -21,12 +23,15 @@ end
 redis.call('HSET', k_stats, 'truth_epoch', math.max(epoch, last))
 local k_truth, k_shown = base .. ':truth:' .. epoch, base .. ':shown:' .. epoch
 
+local given, tokens = ARGV[3], {}
+for at = 1, #given, 32 do tokens[#tokens + 1] = string.sub(given, at, at + 31) end
+
 -- One call per take, however large: tokens go to Redis in slices, as Lua's unpack() stops
 -- at a few thousand values.
 local entries = {}
-for start = 3, #ARGV, 1000 do
-  local stop = math.min(start + 999, #ARGV)
-  for _, entry in ipairs(redis.call('HMGET', k_inflight, unpack(ARGV, start, stop))) do
+for start = 1, #tokens, 1000 do
+  local stop = math.min(start + 999, #tokens)
+  for _, entry in ipairs(redis.call('HMGET', k_inflight, unpack(tokens, start, stop))) do
     entries[#entries + 1] = entry
   end
 end
@@ -60,8 +65,8 @@ end
 add_counts(k_truth, truth)
 add_counts(k_shown, shown)
 if removed > 0 then
-  for start = 3, #ARGV, 1000 do
-    redis.call('HDEL', k_inflight, unpack(ARGV, start, math.min(start + 999, #ARGV)))
+  for start = 1, #tokens, 1000 do
+    redis.call('HDEL', k_inflight, unpack(tokens, start, math.min(start + 999, #tokens)))
   end
   redis.call('PEXPIRE', k_truth, 2 * retention)
   redis.call('PEXPIRE', k_shown, 2 * retention)

@@ -16,7 +16,8 @@
 -- KEYS[1]  the partition's key prefix.
 -- ARGV     now_ms, floor (records), quiet_ms, most records to move as excess, a fresh
 --          random seed (32 hex digits), and optionally the first tokens of the take
---          (below), 32 hex digits each, concatenated.
+--          (below), 32 hex digits each, concatenated, and the first SHA-1 blocks of its
+--          shuffle (uniforms.lua).
 -- Returns  token, entry, token, entry, ... in the order drawn.
 
 local base = KEYS[1]
@@ -24,7 +25,7 @@ local k_pool, k_inflight = base .. ':pool', base .. ':inflight'
 local k_delay, k_stats = base .. ':delay', base .. ':stats'
 local now, floor, quiet_ms = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local limit, seed = tonumber(ARGV[4]), ARGV[5]
-local given = ARGV[6] or ''
+local given, given_blocks = ARGV[6] or '', ARGV[7]
 assert(#seed >= 32, 'the shuffle needs a seed of at least 128 bits')
 
 local size = redis.call('ZCARD', k_pool)
@@ -35,7 +36,7 @@ if count <= 0 and size > 0 and size >= floor then
 end
 if count <= 0 then return {} end
 
-local uniform = sha1_uniforms(seed, 0, 12)
+local uniform = sha1_uniforms(seed, 0, 12, given_blocks)
 
 -- A partial Fisher-Yates shuffle of the whole pool: its first `count` positions are a
 -- uniformly drawn, uniformly ordered sample. A small take from a large pool (a backlog)
