@@ -120,6 +120,46 @@ def test_decoy_groups_draws_and_redelivery(servers):
     assert set(replayed.statuses) == {1} and stats["redelivered"] == 1000
 
 
+def test_a_cut_takes_the_smallest_waiting_ids_of_each_value(servers):
+    """From each chosen value a cut takes the smallest ids among those waiting in the
+    value's bucket and the call's own arrivals (decoy.lua, `smallest`), as one pop of the
+    bucket would had the arrivals been added first. So after every call, every id of a
+    value grouped in it sorts below every id of that value left waiting. Calls of 1 to 600
+    records, so that arrivals meet leftovers of earlier calls."""
+    config = stream_config("adult-decoy.toml", partitions=1, max_wait=3600.0)
+    sizes = [1, 7, 40, 200, 3, 600, 11, 90, 1, 250, 5, 400]
+
+    async def scenario():
+        client = aioredis.from_url(servers.redis_url)
+        buffer, preparer = StreamBuffer(client, config, KEY), Preparer(config, KEY)
+        messages = adult_messages(config, sum(sizes))
+        prefix, pooled, calls, start = buffer.prefix(0), set(), [], 0
+        for size in sizes:
+            batches, _ = preparer.prepare(messages[start : start + size])
+            start += size
+            await buffer.ingest(0, batches[0], T0)
+            entries = map(PoolEntry.parse, await pool_entries(client, buffer, 0))
+            grouped = [e for e in entries if e.id not in pooled]
+            pooled |= {e.id for e in grouped}
+            values = config.schema.sensitive[0].size
+            waiting = [await client.zrange(f"{prefix}:b:1:{v}", 0, -1) for v in range(values)]
+            calls.append((grouped, waiting))
+        await client.aclose()
+        return calls
+
+    calls = run(scenario())
+    merged = 0
+    for grouped, waiting in calls:
+        by_value: dict[int, list[bytes]] = {}
+        for entry in grouped:
+            by_value.setdefault(int(entry.true), []).append(entry.id)
+        for value, ids in by_value.items():
+            if waiting[value]:
+                assert max(ids) < min(waiting[value]), value
+                merged += 1
+    assert merged > 20  # values grouped while others of theirs waited: the case at stake
+
+
 def test_decoy_groups_each_sensitive_attribute_independently(servers):
     document = tomllib.loads((EXAMPLES / "adult-decoy.toml").read_text())
     document["stream"].update(name=f"t{uuid.uuid4().hex[:8]}", partitions=1)

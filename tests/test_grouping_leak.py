@@ -462,3 +462,28 @@ def test_a_take_reads_by_rank_or_whole_and_draws_the_same(servers, count):
     ordered, taken, in_flight = asyncio.run(scenario())
     assert [entry for _, entry in taken] == reference_take(seed, ordered, count)
     assert {token.encode(): entry for token, entry in taken} == in_flight
+
+
+def test_the_worker_hashes_a_takes_tokens_and_shuffle_as_redis_would(servers):
+    """The worker hashes the tokens and shuffle blocks of the records it expects a take to
+    release (`take_tokens`, from the pool size it last saw) and Redis hashes the rest: the
+    take is the same whoever hashed which part. Partition 0's worker saw 200 of its 400
+    pooled records (a tick), so it hashes 200 and Redis 100 of a take of 300; partition 1's
+    saw none, so Redis hashes all 300."""
+    config = replace(stream_config(), mixing_pool=0)
+    seed = random.Random(5).randbytes(SHUFFLE_SEED_BYTES).hex()
+
+    async def scenario():
+        client = aioredis.from_url(servers.redis_url)
+        buffer = StreamBuffer(client, config, KEY, entropy=lambda n: seed)
+        entries = [f"p|1|0:1|1|{T0}|{i:032x}".encode() for i in range(400)]
+        await client.zadd(f"{buffer.prefix(0)}:pool", dict.fromkeys(entries[:200], T0))
+        await buffer.ingest(0, None, T0)
+        for partition in (0, 1):
+            await client.zadd(f"{buffer.prefix(partition)}:pool", dict.fromkeys(entries, T0))
+        takes = [await buffer.take(partition, T0, 300) for partition in (0, 1)]
+        await client.aclose()
+        return takes
+
+    (partly_given, hashed_in_redis) = asyncio.run(scenario())
+    assert len(partly_given) == 300 and partly_given == hashed_in_redis
