@@ -93,37 +93,36 @@ local function joined(list, separator)
   return table.concat(list, separator)
 end
 
-local function finish(id, record)
+-- A record whose groups are all sealed enters the pool as "public|published|audit|true
+-- values|arrival|id" and leaves the record hash.
+local function to_pool(id, record, published, audit)
   local arrival = record[1] == now and now_text or record[1]
-  local entry = record[2] .. '|' .. joined(record[5], ',') .. '|' .. joined(record[7], ';')
-    .. '|' .. joined(record[3], ',') .. '|' .. arrival .. '|' .. id
   pool_entries[#pool_entries + 1] = now_text
-  pool_entries[#pool_entries + 1] = entry
+  pool_entries[#pool_entries + 1] = record[2] .. '|' .. published .. '|' .. audit .. '|'
+    .. joined(record[3], ',') .. '|' .. arrival .. '|' .. id
   if not arrived[id] then unstored[#unstored + 1] = id end
   records[id], dirty[id], finished[id] = nil, nil, true
   pooled = pooled + 1
 end
 
+local function finish(id, record)
+  to_pool(id, record, joined(record[5], ','), joined(record[7], ';'))
+end
+
 -- With one sensitive attribute a cut group is sealed at once: each member is done and
--- goes to the pool, with no record of the group kept. The same entries as assign() and
--- finish() would write, without their per-member calls.
+-- goes to the pool, with no record of the group kept. What assign(), completed() and
+-- finish() would do, less their per-member bookkeeping of groups.
 local function pool_group(members, chosen, audit)
   for j = 1, #members do
     local id = members[j]
     local record = records[id] or load(id)
-    local arrival = record[1] == now and now_text or record[1]
-    pool_entries[#pool_entries + 1] = now_text
-    pool_entries[#pool_entries + 1] = record[2] .. '|' .. chosen[record[4][1] + 1] .. '|'
-      .. audit .. '|' .. record[3][1] .. '|' .. arrival .. '|' .. id
     if arrived[id] == true then
       arrived[id] = 'grouped'
     else
       redis.call('ZREM', k_time, id)
-      unstored[#unstored + 1] = id
     end
-    records[id], dirty[id], finished[id] = nil, nil, true
+    to_pool(id, record, chosen[record[4][1] + 1], audit)
   end
-  pooled = pooled + #members
 end
 
 local function sealed(record)
@@ -294,9 +293,8 @@ local any_holes = redis.call('SCARD', k_holes) > 0
 local added = 0
 -- A record waiting on one attribute has no published values, audits or groups yet, and
 -- never gets them in place (pool_group builds its entry): one shared empty table stands
--- for the three.
+-- for the three. Holes, which would fill them, need two attributes.
 local NONE = {}
-local bucket_of_value = to_bucket[1]
 for r = 1, n do
   local id, bucket, key, digest, public, value_text, draw_text, offset =
     fields_of(ARGV[7 + r], 4)
@@ -306,11 +304,12 @@ for r = 1, n do
     status[#status + 1] = 1
     redelivered = redelivered + 1
   elseif fresh and w == 1 and not any_holes then
+    -- The usual case, without the general case's per-attribute loop and calls.
     records[id] = {now, public, {value_text}, {tonumber(draw_text)}, NONE, 1, NONE, NONE}
     dirty[id], arrived[id] = true, true
-    local ids = bucket_of_value[value_text]
+    local ids = to_bucket[1][value_text]
     if ids == nil then
-      bucket_of_value[value_text] = {id}
+      to_bucket[1][value_text] = {id}
     else
       ids[#ids + 1] = id
     end
