@@ -354,28 +354,34 @@ local groups = 0
 local function cut(a)
   local key_counts = base .. ':n:' .. a
   local flat = redis.call('HGETALL', key_counts)
-  local values, size, pending, nonempty = {}, {}, 0, 0
+  local values, counted = {}, {}
   for j = 1, #flat, 2 do
-    local c = tonumber(flat[j + 1])
     values[#values + 1] = flat[j]
-    size[flat[j]] = c
+    counted[flat[j]] = tonumber(flat[j + 1])
+  end
+  table.sort(values, numeric)
+  -- Sizes and marks by position in `values`: array reads, not a string hash per value.
+  local nv, size, pending, nonempty = #values, {}, 0, 0
+  for i = 1, nv do
+    local c = counted[values[i]]
+    size[i] = c
     pending = pending + c
     if c > 0 then nonempty = nonempty + 1 end
   end
-  table.sort(values, numeric)
-  local nv = #values
   -- The values of every group first: they depend on bucket sizes only. Then each bucket
   -- gives all the members it owes at once, its smallest ids (`smallest`), the same ids in
   -- the same order as one pop per group would take. Loops here run per group over every
   -- value: numeric for loops, as ipairs costs a C call per step in Redis's Lua.
-  local plan, owed = {}, {}
+  local plan, owed, taken = {}, {}, {}
+  for i = 1, nv do taken[i], owed[i] = 0, 0 end
+  local group = 0
   while nonempty >= gamma do
-    local taken, weight, forced = {}, 0, 0
+    group = group + 1
+    local weight, forced = 0, 0
     for i = 1, nv do
-      local v = values[i]
-      local s = size[v]
+      local s = size[i]
       if s > 0 and s * gamma >= pending then
-        taken[v] = true
+        taken[i] = group
         forced = forced + 1
         weight = weight + s
       end
@@ -384,26 +390,24 @@ local function cut(a)
       local x = uniform() * (pending - weight)
       local pick
       for i = 1, nv do
-        local v = values[i]
-        local s = size[v]
-        if s > 0 and not taken[v] then
-          pick = v
+        local s = size[i]
+        if s > 0 and taken[i] ~= group then
+          pick = i
           x = x - s
           if x < 0 then break end
         end
       end
-      taken[pick] = true
+      taken[pick] = group
       weight = weight + size[pick]
     end
     -- In numeric order, as `values` is: no comparisons, each a tonumber of both sides.
     local chosen = {}
     for i = 1, nv do
-      local v = values[i]
-      if taken[v] then
-        chosen[#chosen + 1] = v
-        owed[v] = (owed[v] or 0) + 1
-        local left = size[v] - 1
-        size[v] = left
+      if taken[i] == group then
+        chosen[#chosen + 1] = values[i]
+        owed[i] = owed[i] + 1
+        local left = size[i] - 1
+        size[i] = left
         if left == 0 then nonempty = nonempty - 1 end
       end
     end
@@ -411,8 +415,8 @@ local function cut(a)
     plan[#plan + 1] = chosen
   end
   local popped = {}
-  for v, count in pairs(owed) do
-    popped[v] = {list = smallest(a, v, count), next = 1}
+  for i = 1, nv do
+    if owed[i] > 0 then popped[values[i]] = {list = smallest(a, values[i], owed[i]), next = 1} end
   end
   for p = 1, #plan do
     local chosen = plan[p]
@@ -448,11 +452,11 @@ local function cut(a)
     end
   end
   store_leftovers(a)
-  for _, v in ipairs(values) do
-    if size[v] > 0 then
-      redis.call('HSET', key_counts, v, size[v])
+  for i = 1, nv do
+    if size[i] > 0 then
+      redis.call('HSET', key_counts, values[i], size[i])
     else
-      redis.call('HDEL', key_counts, v)
+      redis.call('HDEL', key_counts, values[i])
     end
   end
 end

@@ -41,9 +41,11 @@ local uniform = sha1_uniforms(seed, 0, 12, given_blocks)
 -- A partial Fisher-Yates shuffle of the whole pool: its first `count` positions are a
 -- uniformly drawn, uniformly ordered sample. A small take from a large pool (a backlog)
 -- reads only the positions it touches, by rank, instead of the whole pool each time:
--- the same swaps on the same positions, so the same sample in the same order.
+-- the same swaps on the same positions, so the same sample in the same order. A take
+-- touches up to 2 × count positions, and one ZRANGE per position costs Redis about as
+-- much as reading 7 members in one (about 960 ns against 140 ns per member here).
 local members
-if 4 * count >= size then
+if 14 * count >= size then
   members = redis.call('ZRANGE', k_pool, 0, -1)
 else
   members = setmetatable({}, {__index = function(read, position)

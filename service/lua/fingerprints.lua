@@ -40,6 +40,8 @@ end
 -- The stored entry's bytes after the 6-byte key (empty string if none), or nil.
 function Fingerprints:find(bucket, key)
   local entries, init = self.buckets[bucket], 1
+  -- Most buckets of a young stream are empty: no C call for them.
+  if entries == '' then return nil end
   while true do
     local at = string.find(entries, key, init, true)
     if not at then return nil end
