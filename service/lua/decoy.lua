@@ -64,6 +64,10 @@ local function hole_key(a, v) return base .. ':hole:' .. a .. ':' .. v end
 -- still open is known here without asking Redis.
 local records = {}  -- id -> record, read and written once per call
 local dirty = {}
+-- With one sensitive attribute, an arrival is {public, value, draw} until it is grouped
+-- or left waiting (then it becomes a record, `keep_waiting`): most are grouped in the
+-- call, and a record's three tables cost Redis more than their whole pool entry.
+local plain = {}
 -- ids that arrived in this call (true until grouped or indexed): not in :rec, and in :t
 -- only if still waiting at the end
 local arrived = {}
@@ -95,14 +99,19 @@ end
 
 -- A record whose groups are all sealed enters the pool as "public|published|audit|true
 -- values|arrival|id" and leaves the record hash.
+local function pool_entry(id, arrival, public, published, audit, values)
+  pooled = pooled + 1
+  pool_entries[2 * pooled - 1] = now_text
+  pool_entries[2 * pooled] = public .. '|' .. published .. '|' .. audit .. '|' .. values .. '|'
+    .. arrival .. '|' .. id
+  finished[id] = true
+end
+
 local function to_pool(id, record, published, audit)
   local arrival = record[1] == now and now_text or record[1]
-  pool_entries[#pool_entries + 1] = now_text
-  pool_entries[#pool_entries + 1] = record[2] .. '|' .. published .. '|' .. audit .. '|'
-    .. joined(record[3], ',') .. '|' .. arrival .. '|' .. id
+  pool_entry(id, arrival, record[2], published, audit, joined(record[3], ','))
   if not arrived[id] then unstored[#unstored + 1] = id end
-  records[id], dirty[id], finished[id] = nil, nil, true
-  pooled = pooled + 1
+  records[id], dirty[id] = nil, nil
 end
 
 local function finish(id, record)
@@ -115,13 +124,19 @@ end
 local function pool_group(members, chosen, audit)
   for j = 1, #members do
     local id = members[j]
-    local record = records[id] or load(id)
-    if arrived[id] == true then
-      arrived[id] = 'grouped'
+    local arrival = plain[id]
+    if arrival then
+      plain[id], arrived[id] = nil, 'grouped'
+      pool_entry(id, now_text, arrival[1], chosen[arrival[3] + 1], audit, arrival[2])
     else
-      redis.call('ZREM', k_time, id)
+      local record = records[id] or load(id)
+      if arrived[id] == true then
+        arrived[id] = 'grouped'
+      else
+        redis.call('ZREM', k_time, id)
+      end
+      to_pool(id, record, chosen[record[4][1] + 1], audit)
     end
-    to_pool(id, record, chosen[record[4][1] + 1], audit)
   end
 end
 
@@ -295,6 +310,11 @@ local added = 0
 -- never gets them in place (pool_group builds its entry): one shared empty table stands
 -- for the three. Holes, which would fill them, need two attributes.
 local NONE = {}
+local function keep_waiting(id)
+  local arrival = plain[id]
+  records[id] = {now, arrival[1], {arrival[2]}, {arrival[3]}, NONE, 1, NONE, NONE}
+  dirty[id], plain[id] = true, nil
+end
 for r = 1, n do
   local id, bucket, key, digest, public, value_text, draw_text, offset =
     fields_of(ARGV[7 + r], 4)
@@ -305,8 +325,7 @@ for r = 1, n do
     redelivered = redelivered + 1
   elseif fresh and w == 1 and not any_holes then
     -- The usual case, without the general case's per-attribute loop and calls.
-    records[id] = {now, public, {value_text}, {tonumber(draw_text)}, NONE, 1, NONE, NONE}
-    dirty[id], arrived[id] = true, true
+    plain[id], arrived[id] = {public, value_text, tonumber(draw_text)}, true
     local ids = to_bucket[1][value_text]
     if ids == nil then
       to_bucket[1][value_text] = {id}
@@ -505,6 +524,7 @@ end
 local waiting_arrivals = {}
 for id, state in pairs(arrived) do
   if state == true and not finished[id] then
+    if plain[id] then keep_waiting(id) end
     waiting_arrivals[#waiting_arrivals + 1] = now_text
     waiting_arrivals[#waiting_arrivals + 1] = id
     arrived[id] = 'indexed'

@@ -2,19 +2,19 @@
 -- when it is registered: argument parsing, idempotent storage, gauges and the reply.
 
 -- A record argument: id (32 hex digits), fingerprint (12 bytes, below), then
--- count '|'-separated fields, the last being the raw offset. One string.match per record
--- rather than a find and a sub per field: in Redis's Lua each C call costs as much as the
--- string it cuts. Returns the id, the fingerprint's bucket (2 bytes), key (6) and
--- digest (4), then the fields.
+-- count '|'-separated fields, the last being the raw offset. The id by string.sub, the
+-- rest by one string.match from byte 33: in Redis's Lua each C call costs as much as the
+-- string it cuts, and a pattern item per byte of the id cost more than both (a third of
+-- the parse). Returns the id, the fingerprint's bucket (2 bytes), key (6) and digest (4),
+-- then the fields.
 local record_patterns = {}
 local function fields_of(arg, count)
   local pattern = record_patterns[count]
   if pattern == nil then
-    pattern = '^(' .. string.rep('.', 32) .. ')(..)(......)(....)'
-      .. string.rep('([^|]*)|', count - 1) .. '(.*)$'
+    pattern = '^(..)(......)(....)' .. string.rep('([^|]*)|', count - 1) .. '(.*)$'
     record_patterns[count] = pattern
   end
-  return string.match(arg, pattern)
+  return string.sub(arg, 1, 32), string.match(arg, pattern, 33)
 end
 
 -- Every record id a partition ever stored is remembered (fingerprints.lua, in ':seen'),
