@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import faust
+from aiokafka import AIOKafkaConsumer
 from aiokafka.structs import ConsumerRecord
 from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types import TP
@@ -43,13 +44,43 @@ FAULT_TOPIC = "SPLU_FAULT_TOPIC"
 EXIT_FAULT = 70
 FETCH_TIMEOUT = 1.0  # seconds one fetch waits for records
 FETCHES_IN_HAND = 2  # fetches handled at once, so that CPU and Redis work overlap
+FETCH_MAX_WAIT_MS = 500  # the longest the broker holds a fetch that finds no records
 
 BulkHandler = Callable[[Mapping[TP, list[ConsumerRecord]]], Awaitable[Any]]
+
+
+class BulkConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
+    """Faust's consumer thread, whose aiokafka consumer has the broker hold a fetch that
+    finds no records for FETCH_MAX_WAIT_MS (aiokafka's own default), not the 1,500 ms Faust
+    fixes.
+
+    aiokafka keeps one fetch in flight per broker, for the partitions whose fetched records
+    are used up, and the broker holds a fetch that finds nothing: the embedded broker for
+    the whole wait, even when records arrive meanwhile. When partitions drain unevenly (a
+    backlog's end, a burst on some partitions), those that run dry wait behind the held
+    fetch: the consumer counted 200,000 records in 1.1-1.7 s, or in 4.2-4.5 s after such
+    stalls (3 of 5 runs); with 500 ms, in 1.1-1.7 s in 5 of 5. A shorter wait costs CPU
+    at a steady rate, as fetches come back smaller and more often: at 3,000 records/s the
+    worker and the broker used 26 and 9 µs per record with 1,500 ms, 30 and 15 with
+    500 ms, 40 and 33 with 100 ms. A record produced to a quiet stream reached a consumer
+    up to 552, 184 and 27 ms later.
+    """
+
+    def _create_worker_consumer(self, transport: faust_aiokafka.Transport) -> AIOKafkaConsumer:
+        consumer = super()._create_worker_consumer(transport)
+        # Read when the consumer starts (AIOKafkaConsumer.start creates its Fetcher).
+        if not hasattr(consumer, "_fetch_max_wait_ms"):
+            raise RuntimeError("this aiokafka keeps no _fetch_max_wait_ms to shorten")
+        consumer._fetch_max_wait_ms = FETCH_MAX_WAIT_MS
+        return consumer
 
 
 class BulkConsumer(faust_aiokafka.Consumer):
     """Faust's aiokafka consumer whose fetcher hands whole fetches to the transport's
     bulk handler, then commits them."""
+
+    def _new_consumer_thread(self) -> BulkConsumerThread:
+        return BulkConsumerThread(self, loop=self.loop, beacon=self.beacon)
 
     async def _drain_messages(self, fetcher: ServiceT) -> None:
         handle: BulkHandler = self.transport.bulk_handler  # type: ignore[attr-defined]

@@ -19,7 +19,9 @@ import redis.asyncio as aioredis
 from harness import RECORDS, TIMEOUT, Harness, adult_rows
 
 from deploy.embedded import spawn_worker
-from streams.bulk import EXIT_FAULT, FAULT_EXIT_BEFORE_COMMIT, FAULT_TOPIC
+from service.prf import ServiceKey
+from streams.app import create_app
+from streams.bulk import EXIT_FAULT, FAULT_EXIT_BEFORE_COMMIT, FAULT_TOPIC, FETCH_MAX_WAIT_MS
 from streams.produce import produce
 from streams.topics import create_topics
 
@@ -79,3 +81,21 @@ def test_a_kill_between_store_and_commit_loses_and_rerandomizes_nothing(servers,
     rows = [json.loads(value)["row"] for value in published.values()]
     assert len(set(rows)) == len(rows) == totals["published"]  # once each, one token each
     assert totals["published"] + totals.get("suppressed", 0) + totals["below_floor"] == RECORDS
+
+
+def test_the_broker_holds_a_fetch_that_finds_nothing_briefly(servers, tmp_path):
+    """A worker's fetcher has the broker hold a fetch without records for FETCH_MAX_WAIT_MS,
+    not the 1.5 s Faust fixes, during which partitions that ran dry would wait behind it
+    (`streams.bulk.BulkConsumerThread`)."""
+    config = Harness(servers, tmp_path, "adult-decoy.toml").config
+
+    async def fetch_wait_ms() -> int:
+        app = create_app(config, ServiceKey(bytes(32)), tmp_path / "app")
+        consumer = app.consumer._thread._create_worker_consumer(app.transport)
+        await consumer.start()
+        try:
+            return consumer._fetcher._fetch_max_wait_ms
+        finally:
+            await consumer.stop()
+
+    assert asyncio.run(fetch_wait_ms()) == FETCH_MAX_WAIT_MS < 1500
