@@ -2,10 +2,9 @@
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
-# Three test processes, each file's tests in one of them: the stream tests mostly wait on
-# joins and timers (two processes kept a 2-core machine 40% busy), so three take about
-# 8.5 minutes there against 12 for two (-n 0 runs serially).
-PYTEST_PARALLEL ?= -n 3 --dist loadfile
+# Two test processes, each file's tests in one of them: the stream tests mostly wait on
+# joins and timers, so two halve the wall time on a 2-core machine (-n 0 runs serially).
+PYTEST_PARALLEL ?= -n 2 --dist loadfile
 
 .PHONY: demo test bench evaluation
 
