@@ -97,8 +97,7 @@ local function joined(list, separator)
   return table.concat(list, separator)
 end
 
--- A record whose groups are all sealed enters the pool as "public|published|audit|true
--- values|arrival|id" and leaves the record hash.
+-- A pool entry: "public|published|audit|true values|arrival|id".
 local function pool_entry(id, arrival, public, published, audit, values)
   pooled = pooled + 1
   pool_entries[2 * pooled - 1] = now_text
@@ -107,6 +106,7 @@ local function pool_entry(id, arrival, public, published, audit, values)
   finished[id] = true
 end
 
+-- A record whose groups are all sealed enters the pool and leaves the record hash.
 local function to_pool(id, record, published, audit)
   local arrival = record[1] == now and now_text or record[1]
   pool_entry(id, arrival, record[2], published, audit, joined(record[3], ','))
