@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import tempfile
 import time
 from pathlib import Path
@@ -19,6 +20,24 @@ from streams.windowed import create_windowed_app
 
 # Seconds a starting worker or consumer waits for a broker or Redis that is restarting.
 STARTUP_PATIENCE = 5.0
+
+
+class StreamWorker(faust.Worker):
+    """A Faust worker whose app, once started, no longer has the cyclic garbage collector
+    walk the objects its start-up made (`gc.freeze`).
+
+    A worker's heap holds about 140,000 objects from its imports (Faust, aiokafka, numpy,
+    scipy) and the app's construction, alive as long as the process. Each full collection
+    walked them all with the event loop stopped: 80-95 ms, six times in 4.3 s of a
+    200,000-record run of bench/stream_throughput.py, while Redis sat idle with its replies
+    unread (idle 14% of the time the stream flowed, 8% frozen). Frozen, a full collection
+    took at most 8 ms.
+    """
+
+    async def on_startup_finished(self) -> None:
+        await super().on_startup_finished()
+        gc.collect()
+        gc.freeze()
 
 
 def ensure_ready(config: StreamConfig) -> None:
@@ -69,7 +88,7 @@ def run_worker(
     with tempfile.TemporaryDirectory(prefix=f"splu-{config.name}-") as datadir:
         build = create_windowed_app if config.mechanism == "windowed" else create_app
         app = build(config, key, Path(datadir), web=None if port is None else (host, port))
-        faust.Worker(app, loglevel=loglevel, quiet=True).execute_from_commandline()
+        StreamWorker(app, loglevel=loglevel, quiet=True).execute_from_commandline()
 
 
 def run_consumer(config: StreamConfig, host: str, port: int, loglevel: str = "warning") -> None:
@@ -79,4 +98,4 @@ def run_consumer(config: StreamConfig, host: str, port: int, loglevel: str = "wa
     run_in_thread(refuse_legacy_counts(config))
     with tempfile.TemporaryDirectory(prefix=f"splu-{config.name}-consumer-") as datadir:
         app = create_consumer_app(config, Path(datadir), host, port)
-        faust.Worker(app, loglevel=loglevel, quiet=True).execute_from_commandline()
+        StreamWorker(app, loglevel=loglevel, quiet=True).execute_from_commandline()
