@@ -175,7 +175,7 @@ COMMAND_TYPES = {
 KEY_TYPES = (
     "zset: mixing pool (:pool), value buckets (:b:*), arrival index (:t); hash: records (:rec), "
     "in flight (:inflight), counters (:stats, :waiting, :n:*, :delay, :sup), fingerprints "
-    "(:seen), groups (:grp:*), truth tallies (:truth:*, :shown:*); set: open groups, holes; "
+    "(:seen), groups (:grp:*), truth tallies (:truth:*); set: open groups, holes; "
     "list: holes per value; string: offset watermark (:off), pause flag"
 )
 

@@ -68,9 +68,9 @@ _ACL_CLUSTER_COMMANDS = " +cluster|slots +command"
 _ACL_REPLICA_COMMANDS = " +wait"
 ROLES = ("worker", "consumer")
 # Keys of a partition the consumer may read: counters and gauges, suppression and delay
-# histograms, the truth and published tallies of the adversary test, personal group
+# histograms, the adversary test's tally of true and published cells, personal group
 # aggregates. Never records, buckets, the pool, in-flight entries or fingerprints.
-CONSUMER_READS = ("stats", "waiting", "sup", "delay", "truth:*", "shown:*", "gstat")
+CONSUMER_READS = ("stats", "waiting", "sup", "delay", "truth:*", "gstat")
 
 
 def acl_rules(config: StreamConfig, role: str) -> str:
@@ -349,7 +349,12 @@ class BufferState:
         """The adversary test's tallies of the records the broker acknowledged in the last
         one to two `reports.truth_retention` periods, summed over partitions: true cells
         and published cells ("public codes|sensitive codes"), the same records in both.
-        Producer-side only: the first holds true values."""
+        Producer-side only: the first holds true values.
+
+        Redis keeps one tally of "public|published|true" cells (acknowledge.lua): both
+        sides of a record in one cell, counted once. A cell of two fields was written by
+        a worker before that, in a tally of true cells whose published side is elsewhere:
+        left out, so the two sides still count the same records."""
         true: dict[bytes, int] = {}
         shown: dict[bytes, int] = {}
         for partition in range(self.config.partitions):
@@ -358,10 +363,15 @@ class BufferState:
             if epoch is None:
                 continue
             for number in (int(epoch) - 1, int(epoch)):
-                for name, out in (("truth", true), ("shown", shown)):
-                    cells = await self.client.hgetall(f"{prefix}:{name}:{number}")
-                    for cell, count in cells.items():
-                        out[cell] = out.get(cell, 0) + int(count)
+                cells = await self.client.hgetall(f"{prefix}:truth:{number}")
+                for cell, count in cells.items():
+                    fields = cell.split(b"|")
+                    if len(fields) != 3:
+                        continue
+                    public, published, true_codes = fields
+                    true_cell, shown_cell = public + b"|" + true_codes, public + b"|" + published
+                    true[true_cell] = true.get(true_cell, 0) + int(count)
+                    shown[shown_cell] = shown.get(shown_cell, 0) + int(count)
         return true, shown
 
     async def delays(self, partitions: Iterable[int] | None = None) -> dict[str, int]:

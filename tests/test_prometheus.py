@@ -24,6 +24,7 @@ import subprocess
 import time
 import urllib.parse
 import urllib.request
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -189,9 +190,9 @@ def eventually(check, what: str):  # type: ignore[no-untyped-def]
 
 
 async def publish_true_values(config) -> int:  # type: ignore[no-untyped-def]
-    """Make the published tallies the true ones, as if the workers had published the raw
-    values: the adversary test's own way to fail (tests/test_privacy_tests.py). Returns the
-    records so published."""
+    """Make the published side of the tallies ("public|published|true" cells) the true one,
+    as if the workers had published the raw values: the adversary test's own way to fail
+    (tests/test_privacy_tests.py). Returns the records so published."""
     redis = aioredis.from_url(config.redis_url)
     buffer = BufferState(redis, config)
     copied = 0
@@ -200,11 +201,15 @@ async def publish_true_values(config) -> int:  # type: ignore[no-untyped-def]
             prefix = buffer.prefix(partition)
             epoch = int(await redis.hget(f"{prefix}:stats", "truth_epoch"))
             for number in (epoch - 1, epoch):
-                truth = await redis.hgetall(f"{prefix}:truth:{number}")
-                await redis.delete(f"{prefix}:shown:{number}")
-                if truth:
-                    await redis.hset(f"{prefix}:shown:{number}", mapping=truth)
-                copied += sum(int(count) for count in truth.values())
+                cells = await redis.hgetall(f"{prefix}:truth:{number}")
+                raw: Counter[bytes] = Counter()
+                for cell, count in cells.items():
+                    public, _, true = cell.split(b"|")
+                    raw[b"|".join((public, true, true))] += int(count)
+                await redis.delete(f"{prefix}:truth:{number}")
+                if raw:
+                    await redis.hset(f"{prefix}:truth:{number}", mapping=raw)
+                copied += sum(raw.values())
     finally:
         await redis.aclose()
     return copied

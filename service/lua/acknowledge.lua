@@ -1,13 +1,14 @@
 -- Forget emissions the broker acknowledged; until then they stay in flight and a
 -- restarted worker re-sends them with the same tokens.
 --
--- Each acknowledged record is counted, at this moment and not before, into the tallies
--- of the consumer's adversary test: ':truth:<epoch>' (public codes|true sensitive codes)
--- and ':shown:<epoch>' (public codes|published codes), so both describe exactly the
--- records published, however long a pause held others back. An epoch lasts the
--- retention period; the current and the previous one are kept, older ones dropped, and
--- each expires by itself two periods after its last write, so exact tallies never
--- outlive their use even if no worker runs.
+-- Each acknowledged record is counted, at this moment and not before, into the tally of
+-- the consumer's adversary test, ':truth:<epoch>' (public codes|published codes|true
+-- sensitive codes), so it describes exactly the records published, however long a pause
+-- held others back. One cell holds both sides of a record: the test's true and published
+-- cells are its sums (service/buffer.py, BufferState.truth). An epoch lasts the retention
+-- period; the current and the previous one are kept, older ones dropped, and each
+-- expires by itself two periods after its last write, so exact tallies never outlive
+-- their use even if no worker runs.
 --
 -- KEYS[1] the partition's key prefix; ARGV now_ms, retention (ms), the tokens (32 hex
 -- digits each) concatenated: one argument rather than one per record, for the client to
@@ -18,10 +19,10 @@ local now, retention = tonumber(ARGV[1]), tonumber(ARGV[2])
 local epoch = math.floor(now / retention)
 local last = tonumber(redis.call('HGET', k_stats, 'truth_epoch') or epoch)
 for old = last - 1, math.min(last, epoch - 2) do
-  redis.call('UNLINK', base .. ':truth:' .. old, base .. ':shown:' .. old)
+  redis.call('UNLINK', base .. ':truth:' .. old)
 end
 redis.call('HSET', k_stats, 'truth_epoch', math.max(epoch, last))
-local k_truth, k_shown = base .. ':truth:' .. epoch, base .. ':shown:' .. epoch
+local k_truth = base .. ':truth:' .. epoch
 
 -- Loops here run once per record: numeric for loops and counters, as ipairs costs a C
 -- call per step in Redis's Lua and # a search of the table.
@@ -37,18 +38,18 @@ for start = 1, count, 1000 do
   local found = redis.call('HMGET', k_inflight, unpack(tokens, start, stop))
   for j = start, stop do entries[j] = found[j - start + 1] end
 end
-local removed, truth, shown = 0, {}, {}
+local removed, truth = 0, {}
 for j = 1, count do
   local entry = entries[j]
   if entry then
-    local public, published, true_values = string.match(entry, '^([^|]*)|([^|]*)|[^|]*|([^|]*)|')
-    local true_cell, shown_cell = public .. '|' .. true_values, public .. '|' .. published
-    truth[true_cell] = (truth[true_cell] or 0) + 1
-    shown[shown_cell] = (shown[shown_cell] or 0) + 1
+    -- An entry starts "public|published|audit|true|".
+    local shown, true_values = string.match(entry, '^([^|]*|[^|]*)|[^|]*|([^|]*)|')
+    local cell = shown .. '|' .. true_values
+    truth[cell] = (truth[cell] or 0) + 1
     removed = removed + 1
   end
 end
--- Cells are nearly as many as records (all public attributes and the sensitive ones):
+-- Cells are many (all public attributes and the sensitive ones: one per two Adult records):
 -- one HMGET and one HSET per thousand cells cost Redis far less than an HINCRBY each.
 local function add_counts(key, counts)
   local cells = {}
@@ -66,13 +67,11 @@ local function add_counts(key, counts)
   end
 end
 add_counts(k_truth, truth)
-add_counts(k_shown, shown)
 if removed > 0 then
   for start = 1, count, 1000 do
     redis.call('HDEL', k_inflight, unpack(tokens, start, math.min(start + 999, count)))
   end
   redis.call('PEXPIRE', k_truth, 2 * retention)
-  redis.call('PEXPIRE', k_shown, 2 * retention)
 end
 redis.call('HINCRBY', k_stats, 'published', removed)
 redis.call('HSET', k_stats, 'in_flight', redis.call('HLEN', k_inflight))
