@@ -63,7 +63,7 @@ each a child process.
 
 Default rate: 3,000 records/s (DEFAULT_RATE), fixed so that soaks compare across runs:
 60% of the ~5,000 records/s pipeline capacity before the bulk path of issue 13, under 10%
-of the ~35,000 ``bench/stream_throughput.py`` measures while a stream flows since. Here the
+of the ~50,000 ``bench/stream_throughput.py`` measures while a stream flows since. Here the
 consumer and the producer share the same two cores and the same single-threaded Redis;
 measured by this script at 3,000 records/s (steady phase, 2026-11-26), a record costs
 about 21 µs of worker CPU, 102 µs of consumer CPU (45 µs on 2026-11-25, before the
@@ -128,7 +128,7 @@ from service.running_counts import RunningCounts
 from streams.produce import produce
 from streams.topics import create_topics
 
-CAPACITY = 35_000.0  # records/s while the stream flows: bench/stream_throughput.py, 2 cores
+CAPACITY = 50_000.0  # records/s while the stream flows: bench/stream_throughput.py, 2 cores
 # Fixed, so that soaks compare across runs (it was 60% of the capacity of 5,000 records/s
 # measured before the bulk path of issue 13).
 DEFAULT_RATE = 3000.0
