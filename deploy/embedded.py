@@ -96,24 +96,20 @@ def free_port() -> int:
             return port
 
 
-def _listening_sockets(port: int) -> set[str] | None:
-    """The sockets listening on `port`, as /proc/<pid>/fd links name them; None where the
-    system has no /proc/net/tcp to tell."""
-    found = set()
+def _listens_on(group: int, port: int) -> bool | None:
+    """Whether a process of process group `group` holds the socket listening on `port`:
+    None if no socket listens there, True where the system has no /proc/net/tcp to tell."""
+    if not Path("/proc/net/tcp").exists():
+        return True
+    sockets = set()
     for table in (Path("/proc/net/tcp"), Path("/proc/net/tcp6")):
-        try:
-            rows = table.read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            fields = row.split()
-            if fields[3] == _LISTEN and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                found.add(f"socket:[{fields[9]}]")
-    return found if Path("/proc/net/tcp").exists() else None
-
-
-def _group_holds(group: int, sockets: set[str]) -> bool:
-    """Whether a process of process group `group` holds one of `sockets`."""
+        with suppress(OSError):
+            for row in table.read_text().splitlines()[1:]:
+                fields = row.split()
+                if fields[3] == _LISTEN and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    sockets.add(f"socket:[{fields[9]}]")
+    if not sockets:
+        return None
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -199,7 +195,7 @@ class _Server:
     ) -> None:
         # A port chosen here is chosen again if another process takes it first; one the
         # caller gave, or one a client already knows (after a start), is kept.
-        self.port_chosen = port is None
+        self._port_chosen = port is None
         self.port = port or free_port()
         self.log_path = log_path
         self.env = env
@@ -231,10 +227,10 @@ class _Server:
                 self._start_once(timeout)
                 break
             except PortTakenError:
-                if not self.port_chosen or attempt == PORT_ATTEMPTS - 1:
+                if not self._port_chosen or attempt == PORT_ATTEMPTS - 1:
                     raise
                 self._choose_ports()
-        self.port_chosen = False
+        self._port_chosen = False
 
     def _ports(self) -> list[int]:
         return [self.port]
@@ -245,11 +241,8 @@ class _Server:
     def _taken(self) -> int | None:
         """A port of this server that another process listens on, if any."""
         assert self._process is not None
-        for port in self._ports():
-            sockets = _listening_sockets(port)
-            if sockets and not _group_holds(self._process.pid, sockets):
-                return port
-        return None
+        group = self._process.pid
+        return next((p for p in self._ports() if _listens_on(group, p) is False), None)
 
     def _start_once(self, timeout: float) -> None:
         # Reaps a server that died on its own, and whatever it left in its process group.
@@ -345,8 +338,7 @@ class _Server:
         """Whether the server's own process group holds the socket listening on its port,
         not another process that took the port first (its answers would pass for ours)."""
         assert self._process is not None
-        sockets = _listening_sockets(self.port)
-        return sockets is None or _group_holds(self._process.pid, sockets)
+        return _listens_on(self._process.pid, self.port) is True
 
     def _log_tail(self) -> str:
         if self.log_path is None or not self.log_path.exists():
