@@ -75,7 +75,8 @@ report runs meanwhile), topics created first (``streams.topics.create_topics``):
   used_memory before and after ``StreamBuffer.ingest`` stores --buffered records
   from ``Preparer.prepare`` that cannot be grouped (resampled Adult records with
   only γ − 1 distinct occupations, max_wait one hour), divided by their number;
-  ``MEMORY USAGE`` breaks it down by key. The fingerprints (:seen) stay after
+  ``MEMORY USAGE`` breaks it down by key (the records pass the identity screen
+  first, which keeps their fingerprints). The fingerprints (:seen) stay after
   publication: the pipeline run's used_memory growth per ingested record is
   reported too.
 
@@ -130,6 +131,7 @@ from deploy.embedded import (
 from service.buffer import StreamBuffer, connect
 from service.config import StreamConfig, load_config, parse_config
 from service.ingest import Preparer, RawMessage
+from service.lifecycle import Lifecycle
 from service.metrics import DELAY_SLACK  # seconds over max_wait allowed at p99
 from service.running_counts import RunningCounts
 from service.table import open_sample
@@ -299,7 +301,7 @@ def write_config(document: dict[str, Any], work: Path, sequence: int = 0) -> Str
 
 
 def messages_of(rows: list[dict[str, str]], names: list[str]) -> list[tuple[bytes, bytes]]:
-    """(key, JSON value) per record; the key is a record id in `splu produce`'s format."""
+    """(key, JSON value) per record; the key is the record's response id."""
     return [
         (
             f"bench.csv:{i + 2}".encode(),
@@ -723,7 +725,8 @@ async def wait_until_owned(client: aioredis.Redis, buffer: StreamBuffer, partiti
 
 
 def key_family(key: bytes) -> str:
-    """Which part of the buffer a key of ``splu:{<stream>:<partition>}:<part>`` holds."""
+    """Which part of the buffer a key of ``splu:{<stream>:<partition>}:<part>`` (or of an
+    identity shard, ``splu:{<stream>:ids:<shard>}:<part>``) holds."""
     part = key.decode().split("}:", 1)[1].split(":", 1)[0]
     return {
         "rec": "records (:rec)",
@@ -747,6 +750,7 @@ async def buffer_memory(
     preparer = Preparer(config, key)
     client = aioredis.from_url(config.redis_url)
     buffer = StreamBuffer(client, config, key)
+    lifecycle = Lifecycle(client, config)
     try:
         # A tick per partition first loads the script and creates the counters: fixed costs.
         for partition in range(config.partitions):
@@ -760,6 +764,9 @@ async def buffer_memory(
             batches, rejected = preparer.prepare(raw)
             if rejected:
                 raise SystemExit(f"rejected: {rejected[0].rejection}")
+            # As the worker admits them: the identity screen keeps their fingerprints.
+            if any(any(statuses) for statuses in await lifecycle.screen(batches)):
+                raise SystemExit("the identity screen took a resampled record for a re-send")
             for batch in batches:
                 await buffer.ingest(batch.partition, batch, now_ms())
         after = await buffer.memory()

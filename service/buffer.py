@@ -6,8 +6,9 @@ keys and every step below is a single atomic Lua call (scripts in
 ``service/lua``, registered once). The partition is the raw topic's, except in a
 personal stream, whose buffers are those of ``<stream>.grouped``, the topic that
 holds each personal group in one partition (`StreamBuffer.grouped_messages`);
-there the raw partition of the same number keeps only the first hop's record of
-ids (``screen``):
+there the raw partition of the same number keeps only its gate (``close.lua``).
+What reaches a buffer has passed the stream's gate and identity screen
+(`service.lifecycle`):
 
 - ``ingest``: store a batch idempotently and cut/release every group it
   allows, randomizing members and handing them to the mixing pool; records
@@ -16,7 +17,9 @@ ids (``screen``):
   fresh tokens, for publication, by the mixing rule of ``emit.lua``: only the
   excess over the pool's floor, drawn uniformly and shuffled from 128 fresh
   bits of OS randomness per take; a quiet pool leaves whole only if it holds at
-  least the floor;
+  least the floor; at a survey's close a pool of at least the floor leaves whole, and
+  the stream's final pool (`FINAL_POOL`), every partition's remainder, leaves whole
+  once all are in;
 - ``acknowledge``: drop tokens the broker acknowledged, and count them, with
   their true values, into the truth tally of the adversary test (kept for one
   to two ``reports.truth_retention`` periods). Whatever is still in flight after
@@ -29,7 +32,7 @@ gauges and aggregates, never a record; `acl_rules` enforces it in Redis.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass
 from hashlib import sha1
@@ -46,9 +49,15 @@ from service.ingest import PreparedBatch
 from service.metrics import DELAY_BOUNDS_MS
 from service.prf import ServiceKey
 
+# Counters every partition reports, 0 until a script first counts one.
+COUNTERS = ("ingested", "published", "suppressed", "rejected", "redelivered", "conflicts")
 # Fresh OS randomness behind each take's shuffle and tokens: 128 bits, beyond any search.
 SHUFFLE_SEED_BYTES = 16
 TOKEN_HEX = 32  # an emission token: 128 bits of SHA-1, as hex (emit.lua)
+# The stream's final pool, where a closed stream's partitions leave the remainders below
+# their floor to be mixed together (SPEC §3, a survey's end; `service.lifecycle`). It is
+# taken, acknowledged and re-sent like a partition's pool, by the owner of partition 0.
+FINAL_POOL = -1
 
 
 def _csv(codes: list[int]) -> bytes:
@@ -70,7 +79,7 @@ ROLES = ("worker", "consumer")
 # Keys of a partition the consumer may read: counters and gauges, suppression and delay
 # histograms, the adversary test's tally of true and published cells, personal group
 # aggregates. Never records, buckets, the pool, in-flight entries or fingerprints.
-CONSUMER_READS = ("stats", "waiting", "sup", "delay", "truth:*", "gstat")
+CONSUMER_READS = ("stats", "waiting", "sup", "delay", "truth:*", "gstat", "close")
 
 
 def acl_rules(config: StreamConfig, role: str) -> str:
@@ -86,7 +95,7 @@ def acl_rules(config: StreamConfig, role: str) -> str:
     # Its own counts, the pause flag it raises, and the server's memory use (INFO); no
     # SCAN, whose key names would show which groups and holes a partition has.
     # "consumer*": its shards, and the place of an earlier version's counts, to refuse them.
-    own = f"~splu:{{{stream}:consumer* ~splu:{{{stream}}}:paused"
+    own = f"~splu:{{{stream}:consumer* ~splu:{{{stream}}}:paused %R~splu:{{{stream}}}:close"
     return f"reset on resetchannels {reads} {own} {commands} +info -scan"
 
 
@@ -274,7 +283,19 @@ class BufferState:
         self.replication = Replication(client, config)
 
     def prefix(self, partition: int) -> str:
+        """The keys of a partition's buffer, or of the stream's final pool (FINAL_POOL)."""
+        if partition == FINAL_POOL:
+            return f"splu:{{{self.config.name}:final}}"
         return f"splu:{{{self.config.name}:{partition}}}"
+
+    def shard_prefix(self, shard: int) -> str:
+        """The keys of one shard of the stream's record ids (`service.lifecycle`)."""
+        return f"splu:{{{self.config.name}:ids:{shard}}}"
+
+    @property
+    def close_key(self) -> str:
+        """The stream's close request: when it was asked for, and when it completed."""
+        return f"splu:{{{self.config.name}}}:close"
 
     @property
     def pause_key(self) -> str:
@@ -293,11 +314,13 @@ class BufferState:
             await self.client.set(self.pause_key, reason)
 
     async def stats(self, partition: int) -> dict[str, int]:
-        """Counters and gauges of one partition: `pending` (records waiting for a group or
-        release, of which `held` wait for a group-mate), `pool`, `in_flight`, `expired`,
-        and `below_floor`: the pool while it holds fewer than `stream.mixing_pool` records,
-        which the mixing rule never releases alone (they wait for more records), and
-        `settled`: published, suppressed or below the floor."""
+        """Counters and gauges of one partition (or of the final pool): `pending` (records
+        waiting for a group or release, of which `held` wait for a group-mate), `pool`,
+        `in_flight`, `handoff` (a closed partition's remainder on its way to the final
+        pool), `expired`, and `below_floor`: the pool while it holds fewer than
+        `stream.mixing_pool` records, which the mixing rule never releases alone (they wait
+        for more records, or for the stream's close), and `settled`: published, suppressed
+        or below the floor."""
         prefix = self.prefix(partition)
         # One transaction: a snapshot between two Lua steps, so the counts add up. The
         # waiting gauges expire with the records they count (record_ttl).
@@ -306,31 +329,42 @@ class BufferState:
             pipe.hgetall(f"{prefix}:waiting")
             counters, waiting = await pipe.execute()
         out = {k.decode(): int(v) for k, v in (counters | waiting).items()}
-        for gauge in ("pending", "held", "pool", "in_flight"):
-            out.setdefault(gauge, 0)
+        for name in ("pending", "held", "pool", "in_flight", "handoff", *COUNTERS):
+            out.setdefault(name, 0)
         # Records a record TTL removed before they were published or suppressed.
         resolved = out.get("published", 0) + out.get("suppressed", 0)
-        waiting_now = out["pending"] + out["pool"] + out["in_flight"]
-        out["expired"] = max(out.get("ingested", 0) - resolved - waiting_now, 0)
+        came = out.get("ingested", 0) + out.get("received", 0) - out.get("handed_off", 0)
+        waiting_now = out["pending"] + out["pool"] + out["in_flight"] + out["handoff"]
+        out["expired"] = max(came - resolved - waiting_now, 0)
         out["below_floor"] = out["pool"] if out["pool"] < self.config.mixing_pool else 0
         # Records the stream has nothing more to do for until more arrive.
         out["settled"] = resolved + out["below_floor"]
         return out
 
     async def totals(self) -> dict[str, int]:
-        """`stats` summed over every partition of the stream."""
+        """`stats` summed over every partition of the stream and its final pool, with the
+        re-sends and reused ids its identity shards caught (`service.lifecycle`)."""
         totals: dict[str, int] = {}
-        for partition in range(self.config.partitions):
+        for partition in [*range(self.config.partitions), FINAL_POOL]:
             for name, value in (await self.stats(partition)).items():
                 totals[name] = totals.get(name, 0) + value
+        for shard in range(self.config.partitions):
+            counters = await self.client.hgetall(f"{self.shard_prefix(shard)}:stats")
+            for name, value in counters.items():
+                totals[name.decode()] = totals.get(name.decode(), 0) + int(value)
         return totals
 
-    async def count_rejected(self, counts: dict[int, int]) -> None:
-        """Add records sent to the rejected topic, per partition."""
-        async with self.client.pipeline(transaction=False) as pipe:
-            for partition, n in counts.items():
-                pipe.hincrby(f"{self.prefix(partition)}:stats", "rejected", n)
-            await pipe.execute()
+    async def count_rejected(
+        self, counts: Mapping[int, int], closed: Mapping[int, int] | None = None
+    ) -> None:
+        """Add records sent to the rejected topic, per partition, and of them those that
+        came after the partition's close (`rejected_closed`)."""
+        # One call per partition: a cluster pipeline may not span slots in every client.
+        for partition, n in counts.items():
+            key = f"{self.prefix(partition)}:stats"
+            await self.client.hincrby(key, "rejected", n)
+            if closed and closed.get(partition):
+                await self.client.hincrby(key, "rejected_closed", closed[partition])
 
     async def suppressed(self) -> dict[tuple[str, str], int]:
         """Decoy records suppressed for waiting past max_wait, per (attribute, value)."""
@@ -357,7 +391,7 @@ class BufferState:
         left out, so the two sides still count the same records."""
         true: dict[bytes, int] = {}
         shown: dict[bytes, int] = {}
-        for partition in range(self.config.partitions):
+        for partition in [*range(self.config.partitions), FINAL_POOL]:
             prefix = self.prefix(partition)
             epoch = await self.client.hget(f"{prefix}:stats", "truth_epoch")
             if epoch is None:
@@ -376,10 +410,11 @@ class BufferState:
 
     async def delays(self, partitions: Iterable[int] | None = None) -> dict[str, int]:
         """The emission-delay histogram summed over `partitions` (default: all of the
-        stream's): non-cumulative counts per upper bound in ms (and "+Inf"), plus "count"
-        and "sum_ms"."""
+        stream's, and its final pool): non-cumulative counts per upper bound in ms (and
+        "+Inf"), plus "count" and "sum_ms"."""
         out: dict[str, int] = {}
-        for partition in range(self.config.partitions) if partitions is None else partitions:
+        every = [*range(self.config.partitions), FINAL_POOL]
+        for partition in every if partitions is None else partitions:
             for field, count in (
                 await self.client.hgetall(f"{self.prefix(partition)}:delay")
             ).items():
@@ -439,12 +474,12 @@ class StreamBuffer(BufferState):
         self._ingest = client.register_script(
             lua_script("fingerprints", "uniforms", "ingest", *helpers, config.mechanism)
         )
-        self._screen = client.register_script(lua_script("fingerprints", "screen"))
         bounds = f"local DELAY_BOUNDS = {_lua_list(DELAY_BOUNDS_MS)}\n"
         self._take = client.register_script(bounds + lua_script("uniforms", "emit"))
         self._acknowledge = client.register_script(lua_script("acknowledge"))
         self._ttl = int((config.record_ttl or 0) * 1000)
         self._retention = int(config.reports.truth_retention * 1000)
+        self._closed_retention = int(config.closed_retention * 1000)
         # Secret per-partition seeds for the keyed choice of decoy groups.
         self._seed_key = key.subkey("decoy cuts").hex()
         if config.personal is not None:
@@ -456,13 +491,15 @@ class StreamBuffer(BufferState):
             ]  # fmt: skip
 
     async def ingest(
-        self, partition: int, batch: PreparedBatch | None, now_ms: int
+        self, partition: int, batch: PreparedBatch | None, now_ms: int, through: int = -1
     ) -> IngestOutcome:
-        """Store a batch (or nothing: a timer tick) and do every cut or release now due."""
+        """Store a batch (or nothing: a timer tick) and do every cut or release now due;
+        `through`: the highest raw offset of the partition the worker handled with it,
+        stored or rejected (a close waits for every offset below its own)."""
         if batch is None:
-            return await self._store(partition, None, now_ms)
+            return await self._store(partition, None, now_ms, through)
         offsets = [m.offset for m in batch.messages]
-        return await self._store(partition, self._records(batch, offsets), now_ms)
+        return await self._store(partition, self._records(batch, offsets), now_ms, through)
 
     def grouped_messages(self, batch: PreparedBatch) -> list[tuple[bytes, bytes]]:
         """A personal stream's first hop: each record of a raw batch as a message of
@@ -470,9 +507,9 @@ class StreamBuffer(BufferState):
         one partition (`streams.app.partition_of`) and one budget holds the group.
 
         The value is the record as personal.lua takes it, less the offset: its id and
-        fingerprint, both of its raw partition and dedup key, so a record the first hop
-        sends twice is stored once, then its public codes, group, value and perturbed
-        value. Raw sensitive values: the topic is as private as the raw one.
+        fingerprint, both of its dedup key, so a record the first hop sends twice is
+        stored once, then its public codes, group, value and perturbed value. Raw
+        sensitive values: the topic is as private as the raw one.
         """
         return list(zip(batch.groups, self._records(batch), strict=True))
 
@@ -482,36 +519,28 @@ class StreamBuffer(BufferState):
         """A personal stream's second hop: store (grouped offset, `grouped_messages`
         value) pairs of one partition of <stream>.grouped, and release what is due."""
         return await self._store(
-            partition, [value + b"|%d" % offset for offset, value in messages], now_ms
+            partition,
+            [value + b"|%d" % offset for offset, value in messages],
+            now_ms,
+            max((offset for offset, _ in messages), default=-1),
         )
 
-    async def screen(self, batch: PreparedBatch) -> list[int]:
-        """A personal stream's first hop: the positions in a raw batch of the records whose
-        id its raw partition already stored with other content (`screen.lua`)."""
-        prefix = self.prefix(batch.partition)
-        args = [
-            fingerprint + b"%d" % m.offset
-            for fingerprint, m in zip(batch.fingerprints, batch.messages, strict=True)
-        ]
-        found = await self._screen(keys=[prefix], args=args)
-        await self.replication.confirm(prefix)
-        return [int(r) - 1 for r in found]
-
     async def _store(
-        self, partition: int, records: list[bytes] | None, now_ms: int
+        self, partition: int, records: list[bytes] | None, now_ms: int, through: int
     ) -> IngestOutcome:
         """One ingest step on a partition: `records` are the script's record arguments, each
         ending in its offset in the consumed topic (None: a timer tick)."""
         max_wait, ttl = int(self.config.max_wait * 1000), self._ttl
         count = len(records or [])
+        closing = [through, self.config.mixing_pool, self._closed_retention]
         if self.config.decoy is not None:
             w = len(self.config.sensitive)
             seed = f"{self._seed_key}:{partition}"
-            args: list = [now_ms, max_wait, self.config.decoy.gamma, w, seed, ttl, count]
+            args: list = [now_ms, max_wait, self.config.decoy.gamma, w, seed, ttl, *closing, count]
         else:
-            args = [now_ms, max_wait, *self._personal_args, ttl, count]
+            args = [now_ms, max_wait, *self._personal_args, ttl, *closing, count]
         result = await self._ingest(keys=[self.prefix(partition)], args=args + (records or []))
-        if records is not None:
+        if records is not None or through >= 0:
             await self.replication.confirm(self.prefix(partition))
         statuses = [0] * count
         for position in range(2, len(result), 2):
@@ -520,25 +549,29 @@ class StreamBuffer(BufferState):
         return IngestOutcome(statuses, int(result[0]), int(result[1]))
 
     def _records(self, batch: PreparedBatch, offsets: list[int] | None = None) -> list[bytes]:
-        """Each record as the ingest script takes it: id (32 hex digits), fingerprint (12
-        bytes), then '|'-separated fields, ending in its offset if `offsets` are given.
+        """Each record as the ingest script takes it: id (32 hex digits), a personal
+        record's fingerprint (12 bytes), then '|'-separated fields, ending in its offset if
+        `offsets` are given.
 
         One formatting step per record: the worker builds these for every record, and a
         join per field cost it about as much as the Lua step costs Redis.
         """
-        columns: list[list] = [batch.id_bytes(), batch.fingerprints, batch.public]
         if self.config.decoy is None:
+            # A personal stream's grouped partitions keep fingerprints (ingest.lua).
+            columns: list[list] = [batch.id_bytes(), batch.fingerprints, batch.public]
             columns += [batch.groups, batch.sensitive[:, 0].tolist(), batch.perturbed.tolist()]
             template = b"%b%b%b|%b|%d|%d"
         elif batch.sensitive.shape[1] == 1:
+            columns = [batch.id_bytes(), batch.public]
             columns += [batch.sensitive[:, 0].tolist(), batch.draws[:, 0].tolist()]
-            template = b"%b%b%b|%d|%d"
+            template = b"%b%b|%d|%d"
         else:
+            columns = [batch.id_bytes(), batch.public]
             columns += [
                 [_csv(values) for values in batch.sensitive.tolist()],
                 [_csv(draws) for draws in batch.draws.tolist()],
             ]
-            template = b"%b%b%b|%b|%b"
+            template = b"%b%b|%b|%b"
         if offsets is not None:
             columns.append(offsets)
             template += b"|%d"
@@ -546,13 +579,17 @@ class StreamBuffer(BufferState):
 
     async def take(self, partition: int, now_ms: int, limit: int) -> list[tuple[str, bytes]]:
         """Records due for publication by the mixing rule, each under a fresh random token:
-        at most `limit` of the excess over the floor, or the whole pool at the stream's
-        end. Each take draws 128 fresh bits from the OS for its shuffle and tokens."""
+        at most `limit` of the excess over the floor, or of the whole pool when it is quiet
+        or closed; from the final pool (FINAL_POOL), the whole stream's remainder once every
+        partition's is in. Each take draws 128 fresh bits from the OS for its shuffle and
+        tokens."""
         seed = self._entropy(SHUFFLE_SEED_BYTES)
-        expected = min(limit, self._pooled.get(partition, 0) - self.config.mixing_pool)
+        config = self.config
+        expected = min(limit, self._pooled.get(partition, 0) - config.mixing_pool)
+        waits_for = config.partitions if partition == FINAL_POOL else 0
         args = [
-            now_ms, self.config.mixing_pool, int(self.config.flush_interval * 1000), limit,
-            seed, *take_tokens(seed, expected),
+            now_ms, config.mixing_pool, int(config.flush_interval * 1000), limit, seed,
+            waits_for, config.min_mixing, config.small_remainder, *take_tokens(seed, expected),
         ]  # fmt: skip
         flight = await self._take(keys=[self.prefix(partition)], args=args)
         if not flight:

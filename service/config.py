@@ -4,13 +4,24 @@
     name = "adult"               # topics: adult.raw, adult.published, adult.rejected, adult.reports
                                  # (personal: also adult.grouped, internal, see below)
     mechanism = "decoy"          # or "personal", or "windowed" (a batch mechanism per window)
-    partitions = 4               # of every topic; one worker can own several
-    max_wait = 30.0              # seconds a record may wait for its group
+    partitions = 1               # of every topic (at most 1,024); one worker can own
+                                 # several, and one partition moves tens of thousands of
+                                 # records a second
+    max_wait = 30.0              # seconds a record may wait for its group (decoy: then it
+                                 # is suppressed; a slow survey needs minutes to hours)
     mixing_pool = 1000           # the mixing pool's floor, in records (decoy: at least 10
                                  # groups of γ): the pool never holds fewer while it
                                  # releases, so a published record's neighbours are its
                                  # group-mates with probability at most (γ-1)/floor; records
-                                 # wait until it fills (about floor / arrival rate)
+                                 # wait until it fills (about floor / arrival rate), or
+                                 # until the stream closes (`splu close`)
+    small_remainder = "suppress" # at the close, the remainders below every partition's
+                                 # floor leave together; if all of them hold fewer than 10
+                                 # groups (the minimum mixing), "suppress" them, counted,
+                                 # or "publish" them, the take's weaker guarantee reported
+    closed_retention = 86400.0   # seconds after a partition's close that what it still
+                                 # keeps of true values (personal group state, suppression
+                                 # counts) and record fingerprints expire
     flush_interval = 5.0         # seconds without new pooled records after which a pool
                                  # holding at least its floor is released whole
     buffer_cap = 100000          # records per partition (waiting and pooled) before
@@ -128,6 +139,11 @@ GROUPED_ROLE = "grouped"
 MIN_MIXING_GROUPS = 10
 # Seconds: a record TTL shorter than this could expire records while partitions move.
 MIN_RECORD_TTL = 60.0
+# Defaults a survey gets when its config leaves them out.
+DEFAULT_PARTITIONS = 1
+DEFAULT_MIXING_POOL = 1000
+# What the close does with a whole stream's remainder below the minimum mixing.
+SMALL_REMAINDER = ("suppress", "publish")
 
 
 class ConfigError(SchemaError):
@@ -200,6 +216,8 @@ class StreamConfig:
     mixing_pool: int
     flush_interval: float
     buffer_cap: int
+    small_remainder: str
+    closed_retention: float
     report_interval: float
     batch_size: int
     batch_wait: float
@@ -223,6 +241,11 @@ class StreamConfig:
     @property
     def sensitive(self) -> list[str]:
         return [a.name for a in self.schema.sensitive]
+
+    @property
+    def min_mixing(self) -> int:
+        """The fewest records any take may be drawn from: 10 groups (decoy: of γ)."""
+        return MIN_MIXING_GROUPS * (self.decoy.gamma if self.decoy is not None else 1)
 
     @property
     def topic_partitions(self) -> dict[str, int]:
@@ -395,11 +418,13 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
     if len(set(topics.values())) != len(topics):
         raise stream.fail("topics", f"must name {len(topics)} different topics")
     settings = {
-        "partitions": stream.integer("partitions", 4),
+        "partitions": stream.integer("partitions", DEFAULT_PARTITIONS, maximum=1024),
         "max_wait": stream.number("max_wait", 30.0),
-        "mixing_pool": stream.integer("mixing_pool", 1000),
+        "mixing_pool": stream.integer("mixing_pool", DEFAULT_MIXING_POOL),
         "flush_interval": stream.number("flush_interval", 5.0),
         "buffer_cap": stream.integer("buffer_cap", 100_000),
+        "small_remainder": stream.text("small_remainder", "suppress", choices=SMALL_REMAINDER),
+        "closed_retention": stream.number("closed_retention", 86400.0),
         "report_interval": stream.number("report_interval", 30.0),
         "batch_size": stream.integer("batch_size", 2000),
         "batch_wait": stream.number("batch_wait", 0.2),

@@ -152,6 +152,17 @@ def chebyshev_thresholds(gamma: int, epsilon: float, error_tolerance: float) -> 
     }
 
 
+def mate_probability(gamma: int, take: int) -> float:
+    """How likely a published record's neighbour in a uniformly shuffled take of `take`
+    records is its decoy group-mate: (γ − 1)/(take − 1) when the take holds whole groups
+    (1 for a take of a single group or less). The mixing floor keeps every take's draw at
+    least as large as the floor (SPEC §3); a survey's final remainder may be smaller."""
+    _check_gamma(gamma)
+    if take <= gamma:
+        return 1.0
+    return (gamma - 1) / (take - 1)
+
+
 def lambda_limit(retention: float, domain_size: int, max_frequency: float = 1.0) -> float:
     """Largest λ for which the (λ, δ) test of seed 004 Cor. 6 holds: 1 + (1−p)/(m·p·f).
 

@@ -1,10 +1,12 @@
 """Raw stream messages to buffer-ready records (SPEC §3), without I/O.
 
-A raw message is a JSON object of attribute values; its Kafka key, if any, is
-the producer's record id. Each accepted record gets:
+A raw message is a JSON object of attribute values; its Kafka key is the
+producer's id of the response, the same whichever client sends it to whichever
+partition, however often. A message without a key is rejected: nothing could tell
+a re-send of it from a new response. Each accepted record gets:
 
-- a *dedup key*: ``k:<producer id>``, else ``o:<offset>`` (per raw partition), so
-  a redelivered record is recognised and stored once, at any age;
+- a *dedup key*: ``k:<producer id>``, the same for the stream's every partition, so
+  a redelivered or re-sent record is recognised and stored once, at any age;
 - a *fingerprint*, what Redis keeps of it for the life of the stream: a keyed
   64-bit hash of the dedup key (2 bytes pick a bucket, 6 are stored) and a keyed
   32-bit digest of its validated values, so a record id reused with different
@@ -41,6 +43,10 @@ from service.schema import RecordError, Rejection
 from service.table import Table
 
 MAX_MESSAGE_BYTES = 64 * 1024
+NO_KEY = (
+    "the message has no key: a response's id must be its Kafka key, the same in every "
+    "copy, or a re-send could not be recognised (README: Producing)"
+)
 # Binned values (their text) remembered with their code, per attribute: ages and the like.
 KNOWN_BIN_VALUES = 10_000
 # Public and sensitive code texts of pool entries remembered with their part of the
@@ -107,6 +113,29 @@ class PreparedBatch:
 
     def __len__(self) -> int:
         return len(self.messages)
+
+    def subset(self, keep: list[int]) -> PreparedBatch:
+        """The records at positions `keep`, in that order."""
+        rows = np.asarray(keep, dtype=np.int64)
+
+        def pick(values: list) -> list:
+            return [values[i] for i in keep] if values else []
+
+        def rows_of(array: np.ndarray) -> np.ndarray:
+            return array[rows] if len(array) else array
+
+        return PreparedBatch(
+            partition=self.partition,
+            messages=pick(self.messages),
+            dedup_keys=pick(self.dedup_keys),
+            fingerprints=pick(self.fingerprints),
+            ids=rows_of(self.ids),
+            public=pick(self.public),
+            sensitive=rows_of(self.sensitive),
+            draws=rows_of(self.draws),
+            groups=pick(self.groups),
+            perturbed=rows_of(self.perturbed),
+        )
 
     def id_bytes(self) -> list[bytes]:
         """Each id as 32 hex digits: Redis keys and pool entries stay free of separators."""
@@ -189,13 +218,19 @@ class Preparer:
         cannot vouch for goes through `_validate`, the exact reference, so the outcome and
         the reason of a rejection are the same either way.
         """
+        rejected = [
+            Rejected(m, Rejection(f"{m.partition}/{m.offset}", None, NO_KEY))
+            for m in messages
+            if not m.key
+        ]
+        if rejected:
+            messages = [m for m in messages if m.key]
         n = len(messages)
         positions, fast = self._fast_rows([m.value for m in messages])
         codes = np.empty((n, len(self.schema.attributes)), np.int64)
         codes[positions] = fast
         accepted = np.zeros(n, bool)
         accepted[positions] = True
-        rejected = []
         for position in np.flatnonzero(~accepted).tolist():
             message = messages[position]
             try:
@@ -326,21 +361,13 @@ class Preparer:
     ) -> PreparedBatch:
         """A batch of validated records (`codes` in schema order) with their dedup keys, ids
         and fingerprints, and no randomization inputs yet."""
-        dedup_keys = [b"k:" + m.key if m.key else b"o:%d" % m.offset for m in messages]
-        # A personal stream stores a record in the partition of its group
-        # (`service.buffer.StreamBuffer.grouped_messages`), where records of every raw
-        # partition meet: there a fingerprint names the raw partition too, as the id does,
-        # or "o:<offset>" of two raw partitions would pass for one record.
-        named_state = self._fingerprint_state
-        if self.config.personal is not None:
-            named_state = named_state.copy()
-            named_state.update(b"%d:" % partition)
+        dedup_keys = [b"k:" + m.key for m in messages]
         # The content digest is of the validated record, so a resend formatted differently
         # is still the same; keyed, because it stays in Redis after publication and an
         # unkeyed hash of a few thousand possible records would give the record back.
         rows = np.ascontiguousarray(codes)
         contents = rows.view(np.dtype((np.void, rows.itemsize * rows.shape[1]))).ravel()
-        named_copy, digest_copy = named_state.copy, self._digest_state.copy
+        named_copy, digest_copy = self._fingerprint_state.copy, self._digest_state.copy
         fingerprints = []
         for dedup, content in zip(dedup_keys, contents.tolist(), strict=True):
             named = named_copy()
@@ -353,7 +380,7 @@ class Preparer:
             messages=messages,
             dedup_keys=dedup_keys,
             fingerprints=fingerprints,
-            ids=ids_for(self.key, dedup_keys, b"%d:" % partition),
+            ids=ids_for(self.key, dedup_keys),
             public=self._joined(rows[:, self._public], b","),
             sensitive=codes[:, self._sensitive],
         )

@@ -475,3 +475,19 @@ def toml_block(setting: Setting) -> str:
     if p["merge_map"]:
         lines.append(f"merge_map = {json.dumps(p['merge_map'])}")
     return "\n".join(lines) + "\n"
+
+
+def floor_note(rows: int, floor: int, partitions: int, min_mixing: int) -> str | None:
+    """What a survey of `rows` responses gets from a mixing floor it can never fill, and
+    what to set to publish while responses arrive; None if it fills the floor."""
+    if rows >= floor * partitions:
+        return None
+    per_partition = "" if partitions == 1 else f" per partition × {partitions} partitions"
+    fits = max(rows // (2 * partitions), min_mixing)
+    return (
+        f"note: {rows:,} responses never fill the mixing floor of {floor:,} records"
+        f"{per_partition}: nothing is published until the stream closes (`splu close`; "
+        "`splu run` closes at the end of its input), then every record leaves mixed in one "
+        f"take. To publish while responses arrive, set [stream] mixing_pool = {fits} (at "
+        f"least {min_mixing}, 10 groups)" + ("" if partitions == 1 else " and partitions = 1")
+    )

@@ -99,7 +99,7 @@ from typing import Any
 import numpy as np
 import redis.asyncio as aioredis
 
-from service.buffer import BufferState, IngestOutcome, lua_script
+from service.buffer import COUNTERS, BufferState, IngestOutcome, lua_script
 from service.config import StreamConfig, WindowedSettings
 from service.ingest import AcceptedRows, PreparedBatch, Preparer
 from service.prf import ServiceKey
@@ -275,7 +275,7 @@ class WindowState(BufferState):
                 pipe.hlen(f"{prefix}:w:{number.decode()}")
                 pipe.exists(f"{prefix}:wout:{number.decode()}")
             sizes = await pipe.execute()
-        out = {k.decode(): int(v) for k, v in counters.items()}
+        out = dict.fromkeys(COUNTERS, 0) | {k.decode(): int(v) for k, v in counters.items()}
         out.pop("opened", None)
         queued = sum(sizes[0::2])
         out.update(
@@ -297,28 +297,29 @@ class WindowBuffer(WindowState):
         self._ttl = int((config.record_ttl or 0) * 1000)
 
     async def ingest(
-        self, partition: int, batch: PreparedBatch | None, now_ms: int
+        self, partition: int, batch: PreparedBatch | None, now_ms: int, through: int = -1
     ) -> IngestOutcome:
-        """Store a batch (or nothing: a tick) in the open window; close windows now due.
+        """Store a batch (or nothing: a tick) in the open window; close windows now due;
+        `through` as for `service.buffer.StreamBuffer.ingest`.
 
         `pending` is the records buffered in the partition, `pool` its closed windows
         waiting for publication."""
         records = len(batch) if batch is not None else 0
         args: list = [
             "ingest", now_ms, self.settings.window, int(self.settings.max_window_wait * 1000),
-            self._ttl, records,
+            self._ttl, through, int(self.config.closed_retention * 1000), records,
         ]  # fmt: skip
         if batch is not None:
             args += [
-                record_id + fingerprint + b"|".join([public, b",".join(b"%d" % c for c in values),
-                                                     b"%d" % m.offset])
-                for record_id, fingerprint, public, values, m in zip(
-                    batch.id_bytes(), batch.fingerprints, batch.public, batch.sensitive.tolist(),
-                    batch.messages, strict=True,
+                record_id + b"|".join([public, b",".join(b"%d" % c for c in values),
+                                       b"%d" % m.offset])
+                for record_id, public, values, m in zip(
+                    batch.id_bytes(), batch.public, batch.sensitive.tolist(), batch.messages,
+                    strict=True,
                 )
             ]  # fmt: skip
         result = await self._script(keys=[self.prefix(partition)], args=args)
-        if batch is not None:
+        if batch is not None or through >= 0:
             await self.replication.confirm(self.prefix(partition))
         statuses = [0] * records
         for position in range(2, len(result), 2):

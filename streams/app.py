@@ -36,9 +36,9 @@ import logging
 import time
 import zlib
 from collections import Counter, deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import faust
 import redis.asyncio as aioredis
@@ -54,13 +54,15 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from service.buffer import BufferState, ReplicationError, StreamBuffer, connect
+from service.buffer import FINAL_POOL, BufferState, ReplicationError, StreamBuffer, connect
 from service.config import StreamConfig
 from service.ingest import PreparedBatch, Preparer, RawMessage, Rejected
+from service.lifecycle import Lifecycle
 from service.metrics import DELAY_SLACK, delay_histogram, render_worker
 from service.prf import ServiceKey
 from service.schema import Rejection
 from streams.bulk import consume_in_bulk
+from streams.closing import Closer
 
 log = logging.getLogger("splu.worker")
 
@@ -77,6 +79,7 @@ TAKES_IN_FLIGHT = 2  # takes of one partition being published at once (Emitter.e
 EMIT_CHUNK = 20_000  # records per take from one pool: a backlog leaves in few Redis calls
 TICK_INTERVAL = 1.0  # seconds between time-driven steps
 REUSED_ID = "record id already used with different content"
+CLOSED = "the stream is closed: its raw partition accepts no record after its close offset"
 
 
 def now_ms() -> int:
@@ -450,133 +453,262 @@ class Emitter:
         return sent
 
 
-def add_ingest(
-    app: faust.App,
-    raw: faust.TopicT,
-    config: StreamConfig,
-    preparer: Preparer,
-    buffer: Any,
-    publisher: Publisher,
-    grouped: faust.TopicT | None = None,
-) -> None:
-    """The ingest agent every worker shares: validate a batch, store it idempotently in one
-    Lua call per partition (`buffer.ingest`), send rejections, and hold the consumer while a
-    partition's buffer is at its cap.
+Forward = Callable[[list[tuple[bytes, bytes]]], Awaitable[Any]]
 
-    With `grouped` (a personal stream) in two hops, both consumed here:
 
-    1. a raw batch is validated and screened for ids reused with other content (which only
-       the raw partition can see, `buffer.screen`), and its other records are sent to
-       `grouped` keyed by their personal group (`buffer.grouped_messages`), so each group
-       lives in one partition and its trial budget is never split. The raw offsets are
-       committed once the broker acknowledged every copy (acks=all). A crash before that
-       sends them again: their id and fingerprint are of the raw record, so the second
-       hop recognises the copies;
-    2. a batch of `grouped` is stored as a raw batch would be (`buffer.ingest_grouped`),
-       in its partition's buffer, and its offsets are committed once Redis has it.
+class RawFetch(NamedTuple):
+    """A fetch of raw messages, validated: accepted records per partition, rejections,
+    and the highest offset of each raw partition in it."""
+
+    batches: list[PreparedBatch]
+    rejected: list[Rejected]
+    highest: dict[int, int]
+
+
+class Intake:
+    """What a worker does with a fetch, free of Faust, so tests drive it on a virtual clock
+    as the worker's ingest handler does: validate the raw records, admit them (the raw
+    partitions' gate rejects what came after a close, the stream-wide identity screen skips
+    re-sends and rejects ids reused with other content; `service.lifecycle`), store them
+    idempotently in one Lua call per partition (`buffer.ingest`), send and count the
+    rejections.
+
+    A personal stream takes two hops, so that each personal group has one owner and one
+    trial budget:
+
+    1. `raw` admits a fetch and `forward`s its records, keyed by their personal group
+       (`buffer.grouped_messages`), to the grouped topic, so each group lives in one
+       partition. Once the broker acknowledged every copy (acks=all) the raw partitions are
+       marked forwarded up to the fetch (a close waits for it), and the raw offsets may be
+       committed. A crash before that sends them again: their id and fingerprint are the
+       record's, so the second hop recognises the copies;
+    2. `grouped` stores a fetch of the grouped topic as a raw batch would be
+       (`buffer.ingest_grouped`), in its partition's buffer.
     """
-    raw_name = raw.get_topic_name()
-    grouped_name = grouped.get_topic_name() if grouped is not None else None
 
-    async def reject(rejected: list[Rejected]) -> None:
-        await publisher.send_all(
-            config.topics["rejected"], ((r.message.key, r.payload()) for r in rejected)
+    def __init__(
+        self,
+        config: StreamConfig,
+        preparer: Preparer,
+        buffer: Any,
+        lifecycle: Lifecycle,
+        publisher: Publisher,
+        forward: Forward | None = None,
+    ) -> None:
+        self.config, self.preparer, self.buffer = config, preparer, buffer
+        self.lifecycle, self.publisher = lifecycle, publisher
+        self.forward = forward
+
+    def prepare(self, messages: list[RawMessage]) -> RawFetch:
+        """Validate a fetch of raw messages (CPU only: the worker prepares the next fetch
+        while the last one is being stored)."""
+        highest: dict[int, int] = {}
+        for m in messages:
+            highest[m.partition] = max(highest.get(m.partition, -1), m.offset)
+        batches, rejected = self.preparer.prepare(messages)
+        return RawFetch(batches, rejected, highest)
+
+    async def raw(self, fetch: RawFetch, now: int) -> list[tuple[int, int]]:
+        """Take in one admitted fetch of raw messages (`admit`); (partition, records held)
+        per buffer partition it stored into: waiting for a group or release, and pooled.
+        Fetches are taken in one after another, in the order of their offsets."""
+        admitted, rejected, highest = fetch
+        if self.forward is None:
+            return await self.store(admitted, rejected, highest, now)
+        if highest:
+            grouped = [m for batch in admitted for m in self.buffer.grouped_messages(batch)]
+            # A retry may send some twice: the second hop stores each record once.
+            await retrying("forwarding records", self.forward, grouped)
+            await retrying("marking records forwarded", self.lifecycle.mark_forwarded, highest)
+        await self.send_rejections(rejected)
+        return []
+
+    async def admit(self, fetch: RawFetch) -> RawFetch:
+        """The records of a prepared fetch the stream takes in: before the close offset of
+        their raw partition, and neither re-sent nor reused elsewhere in the stream.
+
+        A fetch may be admitted while the one before it is still being stored: the gate
+        only raises its watermark, and the screen marks a record's first copy before any
+        buffer stores it in any case (a replay passes it again). The gate comes first, so
+        that the screen never marks a record the close turns away."""
+        batches, rejected, highest = fetch
+        if not highest:
+            return fetch
+        closes = await retrying("gating a fetch", self.lifecycle.gate, highest)
+        gated = []
+        for batch in batches:
+            close = closes[batch.partition]
+            if close is not None:
+                after = [i for i, m in enumerate(batch.messages) if m.offset >= close]
+                rejected += [refused(batch.messages[i], CLOSED) for i in after]
+                if after:
+                    keep = [i for i, m in enumerate(batch.messages) if m.offset < close]
+                    batch = batch.subset(keep)
+            if len(batch):
+                gated.append(batch)
+        screened = await retrying("screening a fetch", self.lifecycle.screen, gated)
+        admitted = []
+        for batch, statuses in zip(gated, screened, strict=True):
+            rejected += [
+                refused(m, REUSED_ID)
+                for m, status in zip(batch.messages, statuses, strict=True)
+                if status == 2
+            ]
+            if any(statuses):
+                batch = batch.subset([i for i, status in enumerate(statuses) if status == 0])
+            admitted.append(batch)
+        return RawFetch(admitted, rejected, highest)
+
+    async def store(
+        self,
+        batches: list[PreparedBatch],
+        rejected: list[Rejected],
+        highest: dict[int, int],
+        now: int,
+    ) -> list[tuple[int, int]]:
+        """Buffer the admitted records of a fetch, telling every raw partition of it how far
+        the fetch went (a close waits for every offset below its own); send the
+        rejections."""
+        by_partition = {b.partition: b for b in batches if len(b)}
+        partitions = sorted(highest)
+        outcomes = await asyncio.gather(
+            *(
+                retrying(
+                    "storing a batch", self.buffer.ingest, p, by_partition.get(p), now, highest[p]
+                )
+                for p in partitions
+            )
+        )
+        for partition, outcome in zip(partitions, outcomes, strict=True):
+            batch = by_partition.get(partition)
+            for message, status in zip(
+                batch.messages if batch else [], outcome.statuses, strict=True
+            ):
+                if status in (2, 3):
+                    rejected.append(refused(message, REUSED_ID if status == 2 else CLOSED))
+        await self.send_rejections(rejected)
+        return [(p, o.pending + o.pool) for p, o in zip(partitions, outcomes, strict=True)]
+
+    async def grouped(
+        self, fetched: list[tuple[int, list[tuple[int, bytes]]]], now: int
+    ) -> list[tuple[int, int]]:
+        """The second hop: store each partition's (offset, value) records of the grouped
+        topic; (partition, records held) per partition."""
+        outcomes = await asyncio.gather(
+            *(
+                retrying("storing a batch", self.buffer.ingest_grouped, p, records, now)
+                for p, records in fetched
+            )
+        )
+        for (partition, records), outcome in zip(fetched, outcomes, strict=True):
+            for (offset, _), status in zip(records, outcome.statuses, strict=True):
+                if status in (2, 3):
+                    # The first hop admits no reused id and nothing after the close: only a
+                    # collision of 64-bit fingerprints, or a forward that outlived the
+                    # close, gets here. Counted (`conflicts`, `late`); the raw record stays
+                    # on the raw topic.
+                    log.error(
+                        "%s %d/%d: %s; not stored", self.config.topics["grouped"], partition,
+                        offset, REUSED_ID if status == 2 else CLOSED,
+                    )  # fmt: skip
+        return [(p, o.pending + o.pool) for (p, _), o in zip(fetched, outcomes, strict=True)]
+
+    async def send_rejections(self, rejected: list[Rejected]) -> None:
+        """Send rejected records to the rejected topic with their reasons, and count them."""
+        if not rejected:
+            return
+        await retrying("sending rejections", self._reject, rejected)
+        counts = Counter(r.message.partition for r in rejected)
+        closed = Counter(r.message.partition for r in rejected if r.rejection.reason == CLOSED)
+        await retrying("counting rejections", self.buffer.count_rejected, counts, closed)
+
+    async def _reject(self, rejected: list[Rejected]) -> None:
+        await self.publisher.send_all(
+            self.config.topics["rejected"], ((r.message.key, r.payload()) for r in rejected)
         )
         for r in rejected:
             where = f"{r.message.partition}/{r.message.offset}"
             log.warning("rejected %s: %s", where, r.rejection.reason)
 
-    async def send_rejections(rejected: list[Rejected]) -> None:
-        if rejected:
-            await retrying("sending rejections", reject, rejected)
-            counts = Counter(r.message.partition for r in rejected)
-            await retrying("counting rejections", buffer.count_rejected, counts)
 
-    def reused(message: RawMessage) -> Rejected:
-        where = f"{message.partition}/{message.offset}"
-        return Rejected(message, Rejection(where, None, REUSED_ID))
+def refused(message: RawMessage, reason: str) -> Rejected:
+    return Rejected(message, Rejection(f"{message.partition}/{message.offset}", None, reason))
 
-    async def store(
-        batches: list[PreparedBatch], rejected: list[Rejected]
-    ) -> list[tuple[int, int]]:
-        """Buffer one prepared batch and send its rejections; (partition, records held)
-        per partition: waiting for a group or release, and pooled."""
-        now = now_ms()
-        outcomes = await asyncio.gather(
-            *(retrying("storing a batch", buffer.ingest, b.partition, b, now) for b in batches)
-        )
-        for batch, outcome in zip(batches, outcomes, strict=True):
-            for message, status in zip(batch.messages, outcome.statuses, strict=True):
-                if status == 2:
-                    rejected.append(reused(message))
-        await send_rejections(rejected)
-        return [(b.partition, o.pending + o.pool) for b, o in zip(batches, outcomes, strict=True)]
 
-    async def forward(batches: list[PreparedBatch], rejected: list[Rejected]) -> None:
-        """The first hop: screen raw batches, send their other records to the grouped topic
-        and await every ack, then send the rejections."""
-        assert grouped_name is not None
-        screened = await asyncio.gather(
-            *(retrying("screening a batch", buffer.screen, batch) for batch in batches)
-        )
-        messages = []
-        for batch, positions in zip(batches, screened, strict=True):
-            rejected += [reused(batch.messages[i]) for i in positions]
-            skip = set(positions)
-            messages += [m for i, m in enumerate(buffer.grouped_messages(batch)) if i not in skip]
-        # A retry may send some twice: the second hop stores each record once.
-        await retrying("forwarding records", publisher.send_all, grouped_name, messages)
-        await send_rejections(rejected)
-
-    async def store_grouped(
-        fetched: list[tuple[TP, list[ConsumerRecord]]],
-    ) -> list[tuple[int, int]]:
-        """The second hop: store each partition's records of the grouped topic; (partition,
-        records held) per partition."""
-        now = now_ms()
-        offered = [(tp.partition, [(m.offset, m.value) for m in ms]) for tp, ms in fetched]
-        outcomes = await asyncio.gather(
-            *(retrying("storing a batch", buffer.ingest_grouped, p, o, now) for p, o in offered)
-        )
-        for (tp, records), outcome in zip(fetched, outcomes, strict=True):
-            for message, status in zip(records, outcome.statuses, strict=True):
-                if status == 2:
-                    # The first hop lets no reused id through: only a collision of 64-bit
-                    # fingerprints gets here. Counted in `conflicts`; the raw record stays
-                    # on the raw topic.
-                    log.error(
-                        "%s %d/%d: %s; not stored", grouped_name, tp.partition, message.offset,
-                        REUSED_ID,
-                    )  # fmt: skip
-        held = zip(fetched, outcomes, strict=True)
-        return [(tp.partition, outcome.pending + outcome.pool) for (tp, _), outcome in held]
-
-    # Fetches are prepared as they come (one may be prepared while the previous one is
-    # being stored) but stored one after another, in the order of their offsets.
-    in_order = asyncio.Lock()
+def add_ingest(
+    app: faust.App,
+    raw: faust.TopicT,
+    config: StreamConfig,
+    intake: Intake,
+    grouped: faust.TopicT | None = None,
+) -> None:
+    """The ingest agent every worker shares: each fetch of `raw` (and of `grouped`, a
+    personal stream's second hop) goes to `intake`, and the consumer is held while a
+    partition's buffer is at its cap."""
+    raw_name = raw.get_topic_name()
+    grouped_name = grouped.get_topic_name() if grouped is not None else None
+    # A fetch is prepared as it comes, admitted once the fetch before it is (the screen
+    # counts a re-send once by its offset), and stored once the fetch before it is stored:
+    # so one fetch is admitted while the one before it is being stored, but each step
+    # takes the fetches in the order they were fetched. A partition's buffer takes every
+    # offset up to its watermark as stored (ingest.lua), so a fetch stored after a later
+    # one would be lost. A fetch whose storing did not finish (a shutdown or rebalance
+    # cancelled it) stops the later ones too; they are read again from the committed
+    # offsets.
+    last: tuple[asyncio.Future[bool], asyncio.Future[bool]] | None = None
 
     async def ingest(fetched: Mapping[TP, list[ConsumerRecord]]) -> None:
+        # Before the first await: handlers start in the order of their fetches.
+        nonlocal last
+        loop = asyncio.get_running_loop()
+        previous, steps = last, (loop.create_future(), loop.create_future())
+        last = steps
+        try:
+            await handle(fetched, previous, *steps)
+        finally:
+            for step in steps:
+                if not step.done():
+                    step.set_result(False)
+
+    async def after(step: asyncio.Future[bool] | None) -> None:
+        if step is not None and not await asyncio.shield(step):
+            raise asyncio.CancelledError("the fetch before this one did not get this far")
+
+    async def handle(
+        fetched: Mapping[TP, list[ConsumerRecord]],
+        previous: tuple[asyncio.Future[bool], asyncio.Future[bool]] | None,
+        admitted: asyncio.Future[bool],
+        stored: asyncio.Future[bool],
+    ) -> None:
         messages = [
             RawMessage(m.partition, m.offset, m.key, m.value)
             for tp, records in fetched.items()
             if tp.topic == raw_name
             for m in records
         ]
-        prepared = preparer.prepare(messages)
-        async with in_order:
-            if grouped is None:
-                held = await store(*prepared)
-            else:
-                await forward(*prepared)
-                held = await store_grouped(
-                    [(tp, records) for tp, records in fetched.items() if tp.topic == grouped_name]
-                )
-            for partition, records in held:
-                while records >= config.buffer_cap:
-                    # Backpressure: hold the consumer until time or publication frees room.
-                    await asyncio.sleep(config.batch_wait)
-                    tick = await retrying("ticking", buffer.ingest, partition, None, now_ms())
-                    records = tick.pending + tick.pool
+        fetch = intake.prepare(messages)
+        await after(previous and previous[0])
+        fetch = await intake.admit(fetch)
+        admitted.set_result(True)
+        await after(previous and previous[1])
+        now = now_ms()
+        held = await intake.raw(fetch, now)
+        if grouped_name is not None:
+            held += await intake.grouped(
+                [
+                    (tp.partition, [(m.offset, m.value) for m in records])
+                    for tp, records in fetched.items()
+                    if tp.topic == grouped_name
+                ],
+                now,
+            )
+        for partition, records in held:
+            while records >= config.buffer_cap:
+                # Backpressure: hold the consumer until time or publication frees room.
+                await asyncio.sleep(config.batch_wait)
+                tick = await retrying("ticking", intake.buffer.ingest, partition, None, now_ms())
+                records = tick.pending + tick.pool
+        stored.set_result(True)
 
     consume_in_bulk(app, ingest, *(t for t in (raw, grouped) if t is not None))
 
@@ -604,6 +736,8 @@ def create_app(
     preparer = Preparer(config, key)
     client = redis_client(app, config)
     buffer = StreamBuffer(client, config, key)
+    lifecycle = Lifecycle(client, config)
+    closer = Closer(config, lifecycle)
     emitter = Emitter(config, buffer, publisher, preparer)
     pause = PauseWatch(buffer)
 
@@ -612,7 +746,15 @@ def create_app(
         name = buffered.get_topic_name()
         emitter.assigned({tp.partition for tp in assigned if tp.topic == name})
 
-    add_ingest(app, raw, config, preparer, buffer, publisher, grouped)
+    forward = None
+    if grouped is not None:
+        topic = grouped.get_topic_name()
+
+        async def forward(messages: list[tuple[bytes, bytes]]) -> None:
+            await publisher.send_all(topic, messages)
+
+    intake = Intake(config, preparer, buffer, lifecycle, publisher, forward)
+    add_ingest(app, raw, config, intake, grouped)
     add_health_pages(app, buffered, client, publisher)
     add_metrics_page(app, buffered, buffer)
 
@@ -624,7 +766,11 @@ def create_app(
         while not app.should_stop:
             emitted = 0
             if not await pause.holding():
-                takes = await emitter.round(assigned_partitions(app, buffered), now_ms())
+                partitions = assigned_partitions(app, buffered)
+                if closer.requested is not None and 0 in partitions:
+                    # A closing stream's final pool goes with partition 0.
+                    partitions.add(FINAL_POOL)
+                takes = await emitter.round(partitions, now_ms())
                 emitted = sum(len(items) for _, items in takes)
             await asyncio.sleep(0 if emitted >= config.mixing_pool else EMIT_INTERVAL)
 
@@ -635,6 +781,15 @@ def create_app(
                 await buffer.ingest(partition, None, now_ms())
             except TRANSIENT as err:
                 log.warning("partition %d: tick failed (%s)", partition, describe(err))
+        await close_step(closer, assigned_partitions(app, raw), assigned_partitions(app, buffered))
 
     app.splu_buffer = buffer  # type: ignore[attr-defined]
     return app
+
+
+async def close_step(closer: Closer, raw: set[int], buffered: set[int]) -> None:
+    """The tick's close steps (`streams.closing.Closer`); an outage waits for the next."""
+    try:
+        await closer.step(raw, buffered, now_ms())
+    except TRANSIENT as err:
+        log.warning("closing the stream failed (%s); trying again", describe(err))

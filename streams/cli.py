@@ -1,5 +1,5 @@
 """The ``splu`` entry point: the batch commands of `service/cli.py` and the stream's own,
-``splu demo``, ``run``, ``up``, ``worker``, ``consumer`` and ``produce``.
+``splu demo``, ``run``, ``close``, ``up``, ``worker``, ``consumer`` and ``produce``.
 
 Each stream command imports its module when it runs: the batch commands start without Kafka
 and Faust, and start fast.
@@ -48,23 +48,27 @@ def command_consumer(args: argparse.Namespace) -> int:
 def command_produce(args: argparse.Namespace) -> int:
     from aiokafka.errors import KafkaError
 
-    from streams.produce import count_rows, file_digest, produce, rows_of
+    from streams.produce import count_rows, produce, rows_of
 
     config = load_config(args.config)
     total = None if args.input == "-" else count_rows(Path(args.input))
-    if args.input == "-" and args.id_column is None:
-        raise CommandError("from stdin, name the column holding record ids with --id-column")
-    source = None if args.input == "-" else file_digest(Path(args.input))
     with open_input(args.input) as stream:
-        rows = rows_of(stream, config, source, args.id_column)
+        rows = rows_of(stream, config, args.id_column)
         try:
             sent = asyncio.run(produce(config, rows, total, args.rate))
         except KafkaError as err:
             raise CommandError(f"cannot produce to {config.kafka_bootstrap}: {err}") from None
+
     log(
         f"splu produce: {sent:,} records from {args.input} acknowledged by "
         f"{config.topics['raw']} at {config.kafka_bootstrap}"
     )
+    if args.id_column is None:
+        log(
+            "splu produce: ids from each row's content and occurrence (no --id-column): the "
+            "same export produced again, with rows appended or reordered, stores nothing "
+            "twice; produce the whole export each time, not only its new rows"
+        )
     return 0
 
 
@@ -79,6 +83,32 @@ def command_run(args: argparse.Namespace) -> int:
         serve=args.serve, port=args.port,
         published_out=Path(args.published_out) if args.published_out else None,
     )  # fmt: skip
+
+
+def command_close(args: argparse.Namespace) -> int:
+    from streams.closing import describe_closed, request_close, wait_closed
+
+    config = load_config(args.config)
+    offsets = asyncio.run(request_close(config))
+    shown = ", ".join(f"{p}: {o:,}" for p, o in sorted(offsets.items()))
+    log(
+        f"splu close: stream {config.name!r} accepts no record past these offsets of "
+        f"{config.topics['raw']} (partition: offset): {shown}"
+    )
+    if args.no_wait:
+        log("splu close: the workers publish or suppress every accepted record; not waiting")
+        return 0
+    timeout = None if args.timeout == 0 else args.timeout
+    try:
+        status, totals = asyncio.run(wait_closed(config, timeout, show=log))
+    except TimeoutError as err:
+        raise CommandError(
+            f"no progress for {args.timeout:g} s ({err}): is a worker running for "
+            f"{config.name!r}? The close goes on once one runs; run this again to wait"
+        ) from None
+    for line in describe_closed(config, status, totals):
+        log(line)
+    return 0
 
 
 def command_up(args: argparse.Namespace) -> int:
@@ -155,6 +185,35 @@ def register(commands: Commands) -> None:
     )  # fmt: skip
     _add_run_options(run)
     run.set_defaults(run=command_run)
+
+    close = commands.add_parser(
+        "close", formatter_class=FORMATTER,
+        help="end a survey: publish or suppress every accepted record, accept no more",
+        description=(
+            "Close a stream: every raw partition accepts no record past its end offset at\n"
+            "this moment (a later one goes to <stream>.rejected with its reason), and the\n"
+            "workers finish what they hold: decoy groups are cut one last time and the\n"
+            "records no group can take are suppressed, personal groups are released, each\n"
+            "partition's pool leaves whole if it holds the mixing floor, and the rest of\n"
+            "every partition leaves in one take mixed across the partitions. If that\n"
+            "remainder holds fewer than 10 groups, stream.small_remainder decides: suppress\n"
+            "(the default) or publish it. It then waits, printing progress, until every\n"
+            "accepted record is published or suppressed, and prints what became of them.\n"
+            "Running it again changes nothing. `splu run` closes at the end of its input.\n\n"
+            "example:\n"
+            "  splu close --config my-stream.toml"
+        ),
+    )  # fmt: skip
+    close.add_argument("--config", required=True, help="the stream's TOML file")
+    close.add_argument(
+        "--no-wait", action="store_true",
+        help="record the close and return; the workers finish it",
+    )  # fmt: skip
+    close.add_argument(
+        "--timeout", type=float, default=300.0, metavar="SECONDS",
+        help="give up waiting after this long without progress (default 300; 0: never)",
+    )  # fmt: skip
+    close.set_defaults(run=command_close)
 
     up = commands.add_parser(
         "up", formatter_class=FORMATTER,
@@ -236,9 +295,12 @@ def register(commands: Commands) -> None:
         "produce", formatter_class=FORMATTER,
         help="stream a CSV into <stream>.raw",
         description=(
-            "Send each row's schema columns as a JSON object to <stream>.raw, keyed by a\n"
-            "record id (<file digest>:<line>, or --id-column), so producing the same file\n"
-            "again stores nothing twice."
+            "Send each row's schema columns as a JSON object to <stream>.raw, keyed by the\n"
+            "response's id: the --id-column value, or else c:<digest of the row>:<n>, the\n"
+            "n-th row of the file with that content. The stream recognises every id again,\n"
+            "on any partition, at any age: an export produced again, with rows appended or\n"
+            "reordered, stores nothing twice. Without an id column, produce the whole export\n"
+            "each time, not only its new rows."
         ),
     )  # fmt: skip
     produce.add_argument("--config", required=True, help="the stream's TOML file")

@@ -45,6 +45,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from service.buffer import BufferState
 from service.config import StreamConfig
+from service.lifecycle import close_status
 from service.metrics import delay_histogram, difference, histogram_quantile, render_prometheus
 from service.privacy_tests import (
     NotApplicable,
@@ -87,8 +88,6 @@ HISTORY = 600  # samples kept: 20 minutes
 COUNT_FETCH = 10_000
 PAUSE_PREFIX = "privacy test failed: "
 PAIR_SEPARATOR = re.compile(r",(?=[^,:]+:)")
-# Counters a worker creates on first use; shown as 0 until then.
-WORKER_COUNTERS = ("ingested", "published", "suppressed", "rejected", "redelivered", "conflicts")
 # How each windowed mechanism's estimates are made (`service.running_counts.PublishedWindows`).
 WINDOWED_METHODS = {
     "sdr": "SDR: Eq. 7 inverted in each sub-table, summed over the sub-tables of every "
@@ -245,7 +244,9 @@ class Consumer:
             results, skipped = windowed_tests(self.config, self.windows)
         else:
             true, shown = await self.buffer.truth()
-            suppressed = (await self.buffer.totals()).get("suppressed", 0)
+            totals = await self.buffer.totals()
+            # Records a record TTL removed count as suppressed: neither is published.
+            suppressed = totals["suppressed"] + totals["expired"]
             groups = await self.buffer.personal_groups() if self.config.personal is not None else {}
             results = await asyncio.to_thread(self.run_tests, true, shown, suppressed, groups)
         standing = self.answer_standing()
@@ -258,6 +259,8 @@ class Consumer:
             {"kind": "test", "stream": self.config.name, "time": now, **r.to_json()}
             for r in [*results, *skipped]
         ] + [{"kind": "standing", "stream": self.config.name, "time": now, "queries": standing}]
+        if (close := await close_status(self.buffer))["state"] != "open":
+            messages.append({"kind": "close", "stream": self.config.name, "time": now, **close})
         await retrying(
             "publishing reports",
             self.publisher.send_all,
@@ -291,7 +294,7 @@ class Consumer:
         ]
 
     async def worker_side(self) -> tuple[dict[str, int], dict[str, int]]:
-        totals = dict.fromkeys(WORKER_COUNTERS, 0) | await self.buffer.totals()
+        totals = await self.buffer.totals()
         if self.config.windowed is not None:
             # A windowed worker keeps no gauge the consumer may read (they count records
             # in windows): what is neither published nor suppressed waits in a window.
@@ -366,6 +369,9 @@ class Consumer:
                 "held": totals.get("held", 0),
                 "partitions": self.config.partitions,
             },
+            # A survey's end: whether the stream is open, closing or closed, and what its
+            # final remainder was and told (`service.lifecycle.close_status`).
+            "close": await close_status(self.buffer),
             "standing": self.standing,
             "tests": [{**r.to_json(), "time": self.tested_at} for r in self.tests],
             "not_applicable": [

@@ -1,10 +1,13 @@
 """`splu produce`: stream a CSV into ``<stream>.raw``, one JSON object per row.
 
-Each row's Kafka key is a record id, ``<file digest>:<line>`` unless a column
-holds one, so producing the same file twice stores every record once, another
-file never collides with it, and a record always lands on the same partition.
-Rows are sent in batches and the producer waits for every acknowledgement; a
-progress bar is redrawn on stderr when it is a terminal.
+Each row's Kafka key is the response's id (README: Producing): the stream recognises a
+response by it on any partition, at any age, however often it is sent. With
+``--id-column`` the id is that column's. Without, it is derived from the row's content
+and occurrence (`content_ids`): ``c:<digest of the schema's columns>:<n>``, the n-th row
+of the export with that content. A survey exported again with rows appended, or in
+another order, gets the same ids for the same rows; identical rows (common in census-like
+data) stay distinct responses. Rows are sent in batches and the producer waits for every
+acknowledgement; a progress bar is redrawn on stderr when it is a terminal.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import csv
 import hashlib
 import json
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TextIO
 
@@ -32,9 +36,10 @@ class ProduceError(ValueError):
 
 
 def rows_of(
-    stream: TextIO, config: StreamConfig, source: str | None, id_column: str | None
-) -> Iterator[tuple[bytes | None, bytes]]:
-    """(key, JSON value) per CSV row, with only the schema's columns."""
+    stream: TextIO, config: StreamConfig, id_column: str | None
+) -> Iterator[tuple[bytes, bytes]]:
+    """(key, JSON value) per CSV row, with only the schema's columns; the key is the id
+    column's value, or a content id (`content_ids`)."""
     reader = csv.DictReader(stream)
     header = reader.fieldnames or []
     missing = [n for n in config.schema.names if n not in header]
@@ -45,12 +50,31 @@ def rows_of(
     if id_column is not None and id_column not in header:
         raise ProduceError(f"--id-column {id_column!r} is not in the header")
     names = config.schema.names
-    for row in reader:
-        if id_column is not None:
-            key = row[id_column].encode()
-        else:
-            key = f"{source}:{reader.line_num}".encode()
-        yield key, json.dumps({n: row.get(n) for n in names}, separators=(",", ":")).encode()
+    values = (
+        (row, json.dumps({n: row.get(n) for n in names}, separators=(",", ":")).encode())
+        for row in reader
+    )
+    if id_column is None:
+        yield from content_ids(value for _, value in values)
+        return
+    for row, value in values:
+        key = row[id_column]
+        if not key:
+            raise ProduceError(f"--id-column {id_column!r} is empty on line {reader.line_num}")
+        yield key.encode(), value
+
+
+def content_ids(values: Iterable[bytes]) -> Iterator[tuple[bytes, bytes]]:
+    """(key, value) per value: ``c:<BLAKE2b-128 of the value>:<n>``, where the value is the
+    n-th (from 1) with that content. An export's rows get the same ids when it is produced
+    again whole, grown or reordered: only the order among identical rows changes, and
+    they are interchangeable. An export of only the new rows would reuse the ids of
+    earlier identical rows: produce the whole export each time, or use an id column."""
+    seen: Counter[bytes] = Counter()
+    for value in values:
+        digest = hashlib.blake2b(value, digest_size=16).hexdigest().encode()
+        seen[digest] += 1
+        yield b"c:%b:%d" % (digest, seen[digest]), value
 
 
 async def produce(
@@ -99,15 +123,6 @@ async def produce(
         finally:
             await producer.stop()
     return sent
-
-
-def file_digest(path: Path) -> str:
-    """A short content digest of a file: the namespace of its default record ids."""
-    digest = hashlib.blake2b(digest_size=8)
-    with path.open("rb") as stream:
-        for block in iter(lambda: stream.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def count_rows(path: Path) -> int | None:

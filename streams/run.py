@@ -3,10 +3,12 @@
 The flow of production on one machine: servers (the embedded broker and Redis, unless
 KAFKA_BOOTSTRAP and REDIS_URL name others), the stream's topics, a worker and a
 consumer (child processes, each as its own least-privilege Redis user when the run
-started Redis itself), a producer over the CSV, live progress, and a summary: records
-in, published, suppressed, rejected and still pooled below the mixing floor, the
-standing queries' estimates and the privacy tests' verdicts from the consumer's last
-report, and where the published records can be read (``--published-out`` writes them
+started Redis itself), a producer over the CSV, live progress, the stream's close once
+the worker has taken in every row (`streams.closing`: every accepted record is then
+published or suppressed, the remainders below the mixing floor mixed across partitions),
+and a summary: records in, published, suppressed (and why), rejected, the standing
+queries' estimates and the privacy tests' verdicts from the consumer's last report, and
+where the published records can be read (``--published-out`` writes them
 as CSV, in the schema's column order; the embedded broker forgets them when the run
 ends). Every process it starts is stopped again on success, error or Ctrl-C; with
 ``--serve`` it keeps serving the live page until Ctrl-C. `splu demo` is this run on
@@ -41,8 +43,11 @@ from deploy.embedded import (
 from service import client
 from service.buffer import BufferState, connect
 from service.config import StreamConfig, load_config
+from service.lifecycle import close_status
+from service.planning import floor_note
 from service.progress import progress_bar
-from streams.produce import count_rows, file_digest, produce, rows_of
+from streams.closing import describe_closed, request_close
+from streams.produce import count_rows, produce, rows_of
 from streams.topics import create_topics
 
 TIMEOUT = 120.0  # seconds without progress before a run gives up
@@ -103,10 +108,11 @@ def run_stream(
         )
         stack.callback(consumer.stop)
         print(f"live page: {url}/  (counts, privacy tests, delays; it updates itself)")
-        totals, sent = asyncio.run(_stream(config, input_path, id_column, rate, url))
-        _summary(config, totals, sent, _last_report(url, config))
+        totals, sent, closed = asyncio.run(_stream(config, input_path, id_column, rate, url))
+        _summary(config, totals, sent, closed, _last_report(url, config))
         if published_out is not None:
-            written = asyncio.run(_write_published(config, totals["published"], published_out))
+            published = totals.get("published", 0)
+            written = asyncio.run(_write_published(config, published, published_out))
             print(f"published records: {written:,} rows written to {published_out}")
         print(
             f"published records: topic {config.topics['published']} at "
@@ -142,17 +148,22 @@ async def _stream(
     id_column: str | None,
     rate: float | None,
     url: str,
-) -> tuple[dict[str, int], int]:
-    """Produce the CSV and show progress until every record is settled (published,
-    suppressed, rejected or resting below the floor) and counted; (totals, records sent)."""
+) -> tuple[dict[str, int], int, dict[str, Any]]:
+    """Produce the CSV and show progress until the worker has taken in every row, close
+    the stream, and go on until every record is settled (published, suppressed or
+    rejected) and counted; (totals, records sent, close status)."""
     redis = connect(config)
     buffer = BufferState(redis, config)
     total = count_rows(input_path)
     print(f"producing {total or 'the'} records of {input_path} to {config.topics['raw']}")
+    note = total and floor_note(total, config.mixing_pool, config.partitions, config.min_mixing)
+    if note:
+        print(note)
     with input_path.open(newline="") as stream:
-        rows = rows_of(stream, config, file_digest(input_path), id_column)
+        rows = rows_of(stream, config, id_column)
         producing = asyncio.create_task(produce(config, rows, total, rate, progress=False))
         totals: dict[str, int] = {}
+        closed: dict[str, Any] = {}
         counted, moved, shown = 0, time.monotonic(), 0.0
         # A terminal gets a redrawn bar on stderr, a log a line every PROGRESS_EVERY s.
         live = sys.stderr.isatty()
@@ -165,8 +176,21 @@ async def _stream(
                     totals = await buffer.totals()
                     counted = await _counted(url)
                     sent = producing.result() if producing.done() else None
-                    done = totals.get("settled", 0) + totals.get("rejected", 0)
-                    finished = sent is not None and done >= sent
+                    taken_in = sum(
+                        totals.get(k, 0) for k in ("ingested", "redelivered", "rejected")
+                    )
+                    if sent is not None and taken_in >= sent and not closed:
+                        # Every row is in (or rejected): the survey ends here.
+                        await request_close(config)
+                        closed = {"state": "closing"}
+                        print("every row is in: closing the stream (splu close)")
+                    if closed:
+                        closed = await close_status(buffer)
+                    done = sum(
+                        totals.get(k, 0)
+                        for k in ("published", "suppressed", "expired", "rejected", "redelivered")
+                    )
+                    finished = closed.get("state") == "closed"
                     finished = finished and counted >= totals.get("published", 0)
                     if live:
                         bar.update(done - bar.n)
@@ -191,7 +215,7 @@ async def _stream(
             if not producing.done():
                 producing.cancel()
             await redis.aclose()
-    return totals, sent
+    return totals, sent, closed
 
 
 def _progress_line(totals: Mapping[str, int], counted: int) -> str:
@@ -231,19 +255,22 @@ def _last_report(url: str, config: StreamConfig) -> dict[str, Any]:
     return status
 
 
-def _summary(config: StreamConfig, totals: Mapping[str, int], sent: int, status: dict) -> None:
+def _summary(
+    config: StreamConfig,
+    totals: Mapping[str, int],
+    sent: int,
+    closed: dict[str, Any],
+    status: dict,
+) -> None:
     print(
         f"\nrecords: {sent:,} sent, {totals.get('ingested', 0):,} in, "
         f"{totals.get('published', 0):,} published, {totals.get('suppressed', 0):,} "
         f"suppressed, {totals.get('rejected', 0):,} rejected"
         + (f" (reasons on {config.topics['rejected']})" if totals.get("rejected") else "")
+        + (f", {totals['redelivered']:,} sent again" if totals.get("redelivered") else "")
     )
-    if totals.get("below_floor"):
-        print(
-            f"{totals['below_floor']:,} records stay in mixing pools below their floor of "
-            f"{config.mixing_pool:,} per partition: the mixing rule publishes them only "
-            "together with later records"
-        )
+    for line in describe_closed(config, closed, dict(totals))[1:]:
+        print(line)
     if status["standing"]:
         print("standing queries (estimate [95% interval, where the mechanism gives one]):")
         for answer in status["standing"]:

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine, Iterator, Mapping
+import time
+from collections.abc import Coroutine, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka import errors as kafka_errors
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 T = TypeVar("T")
 # Copies per partition on a cluster that has the brokers for it.
 REPLICATION = 3
+END_READ = 5.0  # seconds `end_offsets` may read past the end a broker reports
 
 
 # How a stream's process is pointed at another broker.
@@ -74,6 +77,32 @@ async def create_topics(
         error = kafka_errors.for_code(result["error_code"])
         if error not in (kafka_errors.NoError, kafka_errors.TopicAlreadyExistsError):
             raise error(f"creating topic {result['topic']}: {result['error_message']}")
+
+
+async def end_offsets(bootstrap: str, topic: str, partitions: Iterable[int]) -> dict[int, int]:
+    """Each partition's end offset: the offset the next record written there will get.
+
+    The embedded broker reports a partition's end short of its last batch (the batch's
+    first offset plus one), so the records past the reported end are read as well, until
+    a fetch finds none (at most END_READ seconds while producers keep writing)."""
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=100
+    )
+    await consumer.start()
+    try:
+        wanted = [TopicPartition(topic, p) for p in partitions]
+        reported = await consumer.end_offsets(wanted)
+        consumer.assign(wanted)
+        for tp in wanted:
+            consumer.seek(tp, reported[tp])
+        deadline = time.monotonic() + END_READ
+        while time.monotonic() < deadline:
+            fetched = await consumer.getmany(*wanted, timeout_ms=200)
+            if not any(fetched.values()):
+                break
+        return {tp.partition: max(reported[tp], await consumer.position(tp)) for tp in wanted}
+    finally:
+        await consumer.stop()
 
 
 async def existing_topics(bootstrap: str, hint: str = CONFIG_HINT) -> dict[str, int]:

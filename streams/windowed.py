@@ -29,22 +29,26 @@ from pathlib import Path
 import faust
 
 from service.config import StreamConfig
+from service.lifecycle import Lifecycle
 from service.prf import ServiceKey
 from service.windowed import WindowBuffer, WindowPreparer, encode_staged, render_window
 from streams.app import (
     TICK_INTERVAL,
     TRANSIENT,
+    Intake,
     PauseWatch,
     Publisher,
     add_health_pages,
     add_ingest,
     add_metrics_page,
     assigned_partitions,
+    close_step,
     describe,
     faust_app,
     now_ms,
     redis_client,
 )
+from streams.closing import Closer
 
 log = logging.getLogger("splu.windowed")
 
@@ -67,12 +71,14 @@ def create_windowed_app(
     preparer = WindowPreparer(config, key)
     client = redis_client(app, config)
     buffer = WindowBuffer(client, config)
+    lifecycle = Lifecycle(client, config)
+    closer = Closer(config, lifecycle)
     pause = PauseWatch(buffer)
 
     def assigned() -> set[int]:
         return assigned_partitions(app, raw)
 
-    add_ingest(app, raw, config, preparer, buffer, publisher)
+    add_ingest(app, raw, config, Intake(config, preparer, buffer, lifecycle, publisher))
     add_health_pages(app, raw, client, publisher)
     add_metrics_page(app, raw, buffer)
 
@@ -138,6 +144,7 @@ def create_windowed_app(
                 await buffer.ingest(partition, None, now_ms())
             except TRANSIENT as err:
                 log.warning("partition %d: tick failed (%s)", partition, describe(err))
+        await close_step(closer, assigned(), assigned())
 
     app.splu_buffer = buffer  # type: ignore[attr-defined]
     return app

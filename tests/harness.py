@@ -261,18 +261,19 @@ class FaustNamedAssignor(RoundRobinPartitionAssignor):
     name = "faust"
 
 
-def adult_rows(config: StreamConfig) -> list[tuple[bytes, bytes]]:
-    """The first RECORDS Adult records as (key, JSON) in the stream's schema."""
+def adult_rows(config: StreamConfig, start: int = 0) -> list[tuple[bytes, bytes]]:
+    """RECORDS Adult records from the `start`-th on as (key, JSON) in the stream's
+    schema, keyed r<number>."""
     names = [n for n in config.schema.names if n != "row"]
     with open_sample() as stream:
-        rows = list(itertools.islice(csv.DictReader(stream), RECORDS))
+        rows = list(itertools.islice(csv.DictReader(stream), start, start + RECORDS))
     row = {"row"} & set(config.schema.names)
     return [
         (
             f"r{i}".encode(),
             json.dumps({**dict.fromkeys(row, str(i)), **{n: record[n] for n in names}}).encode(),
         )
-        for i, record in enumerate(rows)
+        for i, record in enumerate(rows, start=start)
     ]
 
 

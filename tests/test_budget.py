@@ -76,7 +76,9 @@ async def run_lua(
     hops = GroupedHops(buffer)
     names = config.schema.names
     messages = [
-        RawMessage(i % config.partitions, i, None, json.dumps({n: r[n] for n in names}).encode())
+        RawMessage(
+            i % config.partitions, i, b"%d" % i, json.dumps({n: r[n] for n in names}).encode()
+        )
         for i, r in enumerate(rows, start=first)
     ]
     now = T0 + first

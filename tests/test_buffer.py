@@ -23,11 +23,12 @@ import pytest
 import redis.asyncio as aioredis
 from harness import GroupedHops
 from scipy.stats import norm as stats_norm
+from virtual_worker import VirtualWorker
 
 from service.buffer import PoolEntry, StreamBuffer
 from service.config import StreamConfig, parse_config
 from service.guarantees import trial_limit
-from service.ingest import Preparer, RawMessage
+from service.ingest import NO_KEY, Preparer, RawMessage
 from service.mechanisms.decoy import DecoyGroups
 from service.mechanisms.personal import UniformPerturbation
 from service.prf import ServiceKey
@@ -52,7 +53,12 @@ def adult_messages(config: StreamConfig, count: int, partition: int = 0) -> list
         rows = list(itertools.islice(csv.DictReader(stream), count))
     names = config.schema.names
     return [
-        RawMessage(partition, offset, None, json.dumps({n: row[n] for n in names}).encode())
+        RawMessage(
+            partition,
+            offset,
+            b"%d:%d" % (partition, offset),
+            json.dumps({n: row[n] for n in names}).encode(),
+        )
         for offset, row in enumerate(rows)
     ]
 
@@ -399,7 +405,9 @@ def test_record_ttl_expires_raw_records_and_never_randomized_ones(servers, examp
     assert after["pending"] == 0 and after["expired"] == before["pending"]
     assert (after["pool"], after["in_flight"]) == (before["pool"], before["in_flight"])
     assert not {"rec", "t", "b", "gq", "waiting"} & set(left), left
-    assert {"pool", "inflight", "seen"} <= set(left), left
+    assert {"pool", "inflight"} <= set(left), left
+    # Fingerprints stay where they are kept (a personal stream's grouped partitions).
+    assert ("seen" in left) == (config.personal is not None), left
     assert set(resumed.statuses) == {0}
 
 
@@ -465,37 +473,40 @@ def test_truth_leaves_out_cells_of_the_tally_that_had_no_published_side(servers)
 
 @pytest.mark.parametrize("example", ["adult-decoy.toml", "adult-personal.toml"])
 def test_record_ids_are_recognised_at_any_age_in_bounded_memory(servers, example):
-    """A record id seen once is recognised forever (a producer's re-send a year later is
-    not randomized again), an id reused with other content is a conflict at any age, and
-    Redis keeps 10 bytes per record for it, in at most 65,536 hash fields."""
-    config = stream_config(example, partitions=1, max_wait=1000.0)
+    """A record id seen once is recognised forever (a producer's re-send a year later, on
+    either partition, is not randomized again), an id reused with other content is a
+    conflict at any age, and Redis keeps 18 bytes per record for it in the identity shards
+    (and 10 more in a personal stream's grouped partitions, which see the first hop's
+    forwards again after a crash), in at most 65,536 hash fields per shard."""
+    config = stream_config(example, partitions=2, max_wait=1000.0)
     year = 365 * 86_400_000
+    rows = [(b"id-%d" % m.offset, m.value) for m in adult_messages(config, 600)]
 
     async def scenario():
         client = aioredis.from_url(servers.redis_url)
-        buffer, preparer = StreamBuffer(client, config, KEY), Preparer(config, KEY)
-        messages = [
-            RawMessage(0, m.offset, b"id-%d" % m.offset, m.value)
-            for m in adult_messages(config, 600)
-        ]
-        first, _ = preparer.prepare(messages[:300])
-        await buffer.ingest(0, first[0], T0)
-        resent = [RawMessage(0, m.offset + 600, m.key, m.value) for m in messages[:300]]
-        again, _ = preparer.prepare(resent)
-        later = await buffer.ingest(0, again[0], T0 + year)
-        other = [RawMessage(0, 900, messages[0].key, messages[1].value)]
-        conflict = await buffer.ingest(0, preparer.prepare(other)[0][0], T0 + year)
-        fresh, _ = preparer.prepare(messages[300:])
-        new = await buffer.ingest(0, fresh[0], T0 + year)
-        seen = await client.hgetall(f"{buffer.prefix(0)}:seen")
-        stats = await buffer.stats(0)
+        async with VirtualWorker(servers.kafka_bootstrap, client, config, KEY) as worker:
+            await worker.arrive(worker.messages(0, rows[:300]), T0)
+            before = await worker.lifecycle.totals()
+            await worker.arrive(worker.messages(0, rows[:150]), T0 + year)
+            await worker.arrive(worker.messages(1, rows[150:300]), T0 + year)
+            await worker.arrive(worker.messages(1, [(rows[0][0], rows[1][1])]), T0 + year)
+            await worker.arrive(worker.messages(1, rows[300:]), T0 + year)
+            totals = await worker.lifecycle.totals()
+            shards = [
+                await client.hgetall(f"{worker.lifecycle.shard_prefix(s)}:seen") for s in (0, 1)
+            ]
+            partitions = [await client.hgetall(f"{worker.buffer.prefix(p)}:seen") for p in (0, 1)]
         await client.aclose()
-        return later, conflict, new, seen, stats
+        return before, totals, shards, partitions
 
-    later, conflict, new, seen, stats = run(scenario())
-    assert set(later.statuses) == {1} and conflict.statuses == [2] and set(new.statuses) == {0}
-    assert stats["ingested"] == 600 and stats["redelivered"] == 300 and stats["conflicts"] == 1
-    assert len(seen) <= 65_536 and sum(len(entries) for entries in seen.values()) == 600 * 10
+    before, totals, shards, partitions = run(scenario())
+    assert before["ingested"] == 300
+    assert totals["ingested"] == 600 and totals["redelivered"] == 300
+    assert totals["conflicts"] == totals["rejected"] == 1
+    assert all(len(fields) <= 65_536 for fields in shards)
+    assert sum(len(entries) for fields in shards for entries in fields.values()) == 600 * 18
+    kept = sum(len(entries) for fields in partitions for entries in fields.values())
+    assert kept == (600 * 10 if config.personal is not None else 0)
 
 
 def test_an_id_stored_twice_is_kept_once_and_the_partition_moves_on(servers):
@@ -513,7 +524,10 @@ def test_an_id_stored_twice_is_kept_once_and_the_partition_moves_on(servers):
         twin[0].ids = batch[0].ids  # the same id under another fingerprint
         first = await buffer.ingest(0, batch[0], T0)
         second = await buffer.ingest(0, twin[0], T0)
-        rest, _ = preparer.prepare(messages[1:])
+        # The partition's next offsets: the buffer takes those up to its last as stored.
+        rest, _ = preparer.prepare(
+            [RawMessage(0, m.offset + 1, m.key, m.value) for m in messages[1:]]
+        )
         await buffer.ingest(0, rest[0], T0)
         await buffer.ingest(0, None, T0 + int(config.max_wait * 1000))
         stats = await buffer.stats(0)
@@ -581,7 +595,7 @@ def test_invalid_records_are_rejected_with_reasons():
         (b"{" + b" " * 70_000 + b"}", None, "exceeds"),
         (b"[" * 50_000, None, "not valid JSON"),
     ]
-    messages = [RawMessage(0, i, None, value) for i, (value, _, _) in enumerate(cases)]
+    messages = [RawMessage(0, i, b"%d" % i, value) for i, (value, _, _) in enumerate(cases)]
     batches, rejected = Preparer(config, KEY).prepare(messages)
     assert batches == [] and len(rejected) == len(cases)
     for rejection, (_, field, reason) in zip(rejected, cases, strict=True):
@@ -591,15 +605,23 @@ def test_invalid_records_are_rejected_with_reasons():
         assert payload["offset"] == rejection.message.offset and payload["reason"]
 
 
-def test_ids_are_keyed_by_dedup_key_not_content():
-    config = stream_config("adult-decoy.toml", partitions=2)
+@pytest.mark.parametrize("example", ["adult-decoy.toml", "adult-personal.toml"])
+def test_ids_are_keyed_by_the_producers_key_on_every_partition(example):
+    """A response's id and fingerprint come from its key alone: the same on any partition
+    and at any offset, whatever else differs. A message without a key is rejected: nothing
+    could recognise it when it is sent again."""
+    config = stream_config(example, partitions=2)
     preparer = Preparer(config, KEY)
     message = adult_messages(config, 1)[0]
-    same = [RawMessage(0, 7, b"r1", message.value), RawMessage(0, 9, b"r1", b'{"other": 1}')]
-    first = preparer.prepare([same[0]])[0][0]
+    first = preparer.prepare([RawMessage(0, 7, b"r1", message.value)])[0][0]
     assert first.dedup_keys == [b"k:r1"]
-    by_offset = preparer.prepare([RawMessage(1, 7, None, message.value)])[0][0]
-    assert by_offset.dedup_keys == [b"o:7"]
-    again = preparer.prepare([RawMessage(0, 99, b"r1", message.value)])[0][0]
-    assert np.array_equal(first.ids, again.ids)  # a redelivery gets its id back
-    assert not np.array_equal(first.ids, by_offset.ids)
+    elsewhere = preparer.prepare([RawMessage(1, 99, b"r1", message.value)])[0][0]
+    assert np.array_equal(first.ids, elsewhere.ids)  # a re-send gets its id back
+    assert first.fingerprints == elsewhere.fingerprints
+    other = preparer.prepare([RawMessage(0, 7, b"r2", message.value)])[0][0]
+    assert not np.array_equal(first.ids, other.ids)
+    assert first.fingerprints[0][:8] != other.fingerprints[0][:8]
+    assert first.fingerprints[0][8:] == other.fingerprints[0][8:]  # the content digest
+    batches, rejected = preparer.prepare([RawMessage(0, 8, None, message.value)])
+    assert batches == [] and rejected[0].rejection.reason == NO_KEY
+    assert "Kafka key" in NO_KEY

@@ -479,7 +479,7 @@ ARBITRARY_LISTS = {
     name: st.lists(arbitrary_values(c.schema), min_size=1, max_size=6)
     for name, c in CONFIGS.items()
 }
-KEYS = st.none() | st.binary(max_size=12)
+KEYS = st.binary(min_size=1, max_size=12)
 
 
 @pytest.mark.parametrize("stream", sorted(CONFIGS))
@@ -531,7 +531,7 @@ def test_each_oddity_once_on_each_sensitive_attribute():
 
                     serial = len(messages)
                     odd = odd_message(schema, record, pick, serial)
-                    messages.append(RawMessage(0, serial, None, odd.value))
+                    messages.append(RawMessage(0, serial, b"%d" % serial, odd.value))
                     markers[serial], what[serial] = odd.markers, odd.what
         check_prepare(preparer, messages, markers)
         rejected = {r.message.offset for r in preparer.prepare(messages)[1]}
@@ -870,5 +870,5 @@ def test_a_repeated_key_is_never_taken_by_the_fast_path():
     for text in repeats:
         value = text.encode()
         assert fast_codes(preparer, [value]) == [None], text
-        batches, rejected = preparer.prepare([RawMessage(0, 0, None, value)])
+        batches, rejected = preparer.prepare([RawMessage(0, 0, b"r", value)])
         assert not batches and rejected[0].rejection.reason == "an object has the same key twice"

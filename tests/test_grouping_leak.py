@@ -61,14 +61,15 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from virtual_worker import VirtualWorker
 
-from service.buffer import SHUFFLE_SEED_BYTES, PoolEntry, StreamBuffer
+from service.buffer import FINAL_POOL, SHUFFLE_SEED_BYTES, PoolEntry, StreamBuffer
 from service.config import StreamConfig, parse_config
 from service.ingest import Preparer, RawMessage
 from service.prf import ServiceKey
 from service.table import open_sample
-from streams.app import EMIT_CHUNK, EMIT_INTERVAL, TICK_INTERVAL, Emitter, Publisher
-from streams.topics import create_topics
+from streams.app import EMIT_CHUNK, EMIT_INTERVAL
+from streams.closing import close_stream
 
 # Talks to a Redis-protocol server: .ci/run repeats these against Debian's redis-server.
 pytestmark = pytest.mark.redis
@@ -79,24 +80,33 @@ EXAMPLES = Path(__file__).parents[1] / "deploy" / "examples"
 KEY = ServiceKey.from_seed(11)
 T0 = 1_700_000_000_000
 STEP = int(EMIT_INTERVAL * 1000)
-TICK_EVERY = int(TICK_INTERVAL * 1000) // STEP
 FLOOR = 50
 SOURCES = 2
-# Records per stream partition and their arrival times (ms after T0) per regime.
-REGIMES: dict[str, tuple[int, Callable[[int], int]]] = {
-    "0.5 per second": (240, lambda i: 2000 * i),
-    "5 per second": (800, lambda i: 200 * i),
-    "50 per second": (2000, lambda i: 20 * i),
-    "burst": (3000, lambda i: 0),
+SURVEY = "1 per minute, 3,000 on the defaults"
+# Records per stream partition, their arrival times (ms after T0), and whether the stream
+# keeps the default partition count and floor, per regime.
+REGIMES: dict[str, tuple[int, Callable[[int], int], bool]] = {
+    "0.5 per second": (240, lambda i: 2000 * i, False),
+    "5 per second": (800, lambda i: 200 * i, False),
+    "50 per second": (2000, lambda i: 20 * i, False),
+    "burst": (3000, lambda i: 0, False),
+    SURVEY: (3000, lambda i: 60_000 * i, True),
 }
 
 
-def stream_config(**stream: object) -> StreamConfig:
+def stream_config(defaults: bool = False) -> StreamConfig:
+    """The example decoy stream with `SOURCES` partitions and a floor of `FLOOR`, or with
+    the default partition count and floor and a max_wait for a survey (a record waits
+    minutes for the others of its group). Final remainders are published, so that every
+    record is in the statistics."""
     document = tomllib.loads((EXAMPLES / "adult-decoy.toml").read_text())
-    document["stream"].update(
-        name=f"g{uuid.uuid4().hex[:8]}", partitions=SOURCES, mixing_pool=FLOOR,
-        flush_interval=5.0, **stream,
-    )  # fmt: skip
+    stream = document["stream"]
+    if defaults:
+        del stream["partitions"], stream["mixing_pool"]
+        stream["max_wait"] = 86400.0
+    else:
+        stream.update(partitions=SOURCES, mixing_pool=FLOOR)
+    stream.update(name=f"g{uuid.uuid4().hex[:8]}", flush_interval=5.0, small_remainder="publish")
     return parse_config(document, "adult-decoy.toml", EXAMPLES)
 
 
@@ -107,94 +117,122 @@ def seeded_entropy(seed: int) -> Callable[[int], str]:
 
 @dataclass
 class Run:
-    """A published stream and the ideal pool's inputs."""
+    """A published stream and the ideal pool's inputs. Sources are the stream's partitions
+    0..sources-1 and, numbered `sources`, the final pool a close fills."""
 
     gamma: int
+    sources: int
     entered: list[tuple[int, int, bytes, int]]  # (time, source, record id, group label)
+    # source -> (time the close finalized its partition, "releasing" its pool whole or
+    # "handed" to the final pool)
+    finalized: dict[int, tuple[int, str]]
+    final_ready: int | None  # when every partition's remainder was in the final pool
     rounds: list[int]  # emission round times
     takes: list[tuple[int, int, int]]  # (round time, source, size), in sending order
     # Per published record, in sending order: source, group label, published partition,
     # offset, timestamp.
     layout: np.ndarray
     labels: np.ndarray
+    totals: dict[str, int]  # the stream's counters once the close is complete
 
 
 async def publish_stream(servers, config: StreamConfig, records: int, arrival) -> Run:
-    """Feed `records` Adult rows per stream partition through the buffer and the emitter on
-    a virtual clock, then read the published topic back."""
+    """Feed `records` Adult rows per stream partition through the worker's steps on a
+    virtual clock (`tests/virtual_worker.py`), close the stream once they are in, go on
+    until the close is complete, then read the published topic back.
+
+    The clock moves in steps of the emit interval while something is due, and jumps to the
+    next arrival, or to the next time a quiet pool may leave whole, while nothing is: a
+    stream of one record a minute takes a few steps per record."""
     client = aioredis.from_url(servers.redis_url)
-    buffer = StreamBuffer(client, config, KEY, entropy=seeded_entropy(7))
-    preparer = Preparer(config, KEY)
-    topic = config.topics["published"]
-    await create_topics(servers.kafka_bootstrap, {topic: SOURCES})
-    publisher = Publisher(servers.kafka_bootstrap)
-    await publisher.on_start()
-    emitter = Emitter(config, buffer, publisher, preparer)
-    emitter.owned = set(range(SOURCES))
+    sources = config.partitions
+    final = sources
     with open_sample() as stream:
-        rows = list(itertools.islice(csv.DictReader(stream), records * SOURCES))
+        rows = list(itertools.islice(csv.DictReader(stream), records * sources))
     names = config.schema.names
-    # Per stream partition, its records in arrival order: (arrival ms, message).
+    # Per stream partition, its records in arrival order: (arrival ms, key, value).
     queues = [
         collections.deque(
-            (T0 + arrival(offset), RawMessage(source, offset, None, json.dumps(
-                {n: r[n] for n in names}).encode()))
-            for offset, r in enumerate(rows[source::SOURCES])
+            (T0 + arrival(offset), b"%d:%d" % (source, offset),
+             json.dumps({n: r[n] for n in names}).encode())
+            for offset, r in enumerate(rows[source::sources])
         )
-        for source in range(SOURCES)
+        for source in range(sources)
     ]  # fmt: skip
     last = max(queue[-1][0] for queue in queues)
-    wait_ms, flush_ms = int(config.max_wait * 1000), int(config.flush_interval * 1000)
+    flush_ms = int(config.flush_interval * 1000)
     labels: dict[tuple[int, bytes], int] = {}
+    label_of: dict[bytes, int] = {}
     entered, rounds, takes, sent = [], [], [], []
-    now, step = T0, 0
-    try:
+    finalized: dict[int, tuple[int, str]] = {}
+    final_ready = None
+    newest = [0] * sources  # when each pool last received records
+    now, step, closed = T0, 0, False
+    async with VirtualWorker(
+        servers.kafka_bootstrap, client, config, KEY, entropy=seeded_entropy(7)
+    ) as worker:
+        buffer = worker.buffer
         while True:
             for source, queue in enumerate(queues):
-                # A burst is taken in batches, as the worker's take_events does.
-                messages = []
-                while queue and queue[0][0] <= now and len(messages) < config.batch_size:
-                    messages.append(queue.popleft()[1])
-                if messages:
-                    batches, rejected = preparer.prepare(messages)
-                    assert not rejected
-                    await buffer.ingest(source, batches[0], now)
-                if step % TICK_EVERY == 0:
-                    await buffer.ingest(source, None, now)
-                if messages or step % TICK_EVERY == 0:
-                    pool = f"{buffer.prefix(source)}:pool"
-                    for raw in await client.zrangebyscore(pool, now, now):
-                        entry = PoolEntry.parse(raw)
-                        group = int(entry.audit.partition(b":")[0])
-                        label = labels.setdefault((source, group), len(labels))
-                        entered.append((now, source, entry.id, label))
+                # A burst is taken in batches, as the worker's fetches are.
+                arrived = []
+                while queue and queue[0][0] <= now and len(arrived) < config.batch_size:
+                    arrived.append(queue.popleft()[1:])
+                if arrived:
+                    await worker.arrive(worker.messages(source, arrived), now)
+            if not closed and not any(queues) and now >= last + 1000:
+                await close_stream(worker.lifecycle, worker.ends, now)
+                closed = True
+            await worker.tick(now)
+            for source in range(sources):
+                pool = f"{buffer.prefix(source)}:pool"
+                for raw in await client.zrangebyscore(pool, now, now):
+                    entry = PoolEntry.parse(raw)
+                    group = int(entry.audit.partition(b":")[0])
+                    label = labels.setdefault((source, group), len(labels))
+                    label_of[entry.id] = label
+                    entered.append((now, source, entry.id, label))
+                    newest[source] = now
+                state = await client.hget(f"{buffer.prefix(source)}:close", "state")
+                if state is not None and source not in finalized:
+                    finalized[source] = (now, "releasing" if state == b"releasing" else "handed")
+            if final_ready is None and closed:
+                ready = await client.scard(f"{buffer.prefix(FINAL_POOL)}:from")
+                final_ready = now if ready == sources else None
             rounds.append(now)
-            for source, items in await emitter.round(set(range(SOURCES)), now):
+            for source, items in await worker.emit(now):
+                source = final if source == FINAL_POOL else source
                 takes.append((now, source, len(items)))
                 sent += [(token, source, PoolEntry.parse(entry)) for token, entry in items]
-            # The stream goes quiet: waiting records are suppressed, pools holding their
-            # floor leave whole; below the floor records wait for more.
-            if not any(queues) and now > last + wait_ms + flush_ms + 1000:
+            if worker.closer.complete:
+                totals = await worker.lifecycle.totals()
                 break
-            now += STEP
             step += 1
-    finally:
-        await publisher.on_stop()
-        await client.aclose()
-    where = await read_topic(servers.kafka_bootstrap, topic, len(sent))
+            later = [q[0][0] for q in queues if q]
+            later += [t + flush_ms for t in newest if t + flush_ms > now]
+            if closed or any(q and q[0][0] <= now + STEP for q in queues):
+                now += STEP
+            else:
+                # Nothing arrives or comes due before the next event: jump to its step.
+                soonest = min(later, default=now + STEP)
+                now += STEP * max(1, -(-(soonest - now) // STEP))
+    await client.aclose()
+    topic = config.topics["published"]
+    where = await read_topic(servers.kafka_bootstrap, topic, sources, len(sent))
     layout, record_labels = [], []
     for token, source, entry in sent:
         partition, offset, timestamp = where[token]
-        group = int(entry.audit.partition(b":")[0])
         layout.append((source, partition, offset, timestamp))
-        record_labels.append(labels[(source, group)])
+        record_labels.append(label_of[entry.id])
     return Run(
-        config.decoy.gamma, entered, rounds, takes, np.array(layout, dtype=np.int64),
-        np.array([record_labels], dtype=np.int64),
+        config.decoy.gamma, sources, entered, finalized, final_ready, rounds, takes,
+        np.array(layout, dtype=np.int64), np.array([record_labels], dtype=np.int64), totals,
     )  # fmt: skip
 
 
-async def read_topic(bootstrap: str, topic: str, expected: int) -> dict[str, tuple[int, int, int]]:
+async def read_topic(
+    bootstrap: str, topic: str, partitions: int, expected: int
+) -> dict[str, tuple[int, int, int]]:
     """token -> (partition, offset, timestamp) of every published message."""
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap, auto_offset_reset="earliest", enable_auto_commit=False
@@ -202,7 +240,7 @@ async def read_topic(bootstrap: str, topic: str, expected: int) -> dict[str, tup
     await consumer.start()
     out: dict[str, tuple[int, int, int]] = {}
     try:
-        consumer.assign([TopicPartition(topic, p) for p in range(SOURCES)])
+        consumer.assign([TopicPartition(topic, p) for p in range(partitions)])
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 30
         while len(out) < expected and loop.time() < deadline:
@@ -217,9 +255,17 @@ async def read_topic(bootstrap: str, topic: str, expected: int) -> dict[str, tup
 
 
 def ideal_takes(run: Run, floor: int, flush_ms: int) -> list[tuple[int, int, int]]:
-    """The takes the ideal floor pool makes from the same entries: (time, source, size)."""
+    """The takes the ideal floor pool makes from the same entries: (time, source, size).
+
+    While the stream is open, each round takes the excess over the floor, or a quiet pool
+    of at least the floor whole. When the close finalizes a partition, a pool of at least
+    the floor leaves whole; a smaller one joins the final pool, which leaves whole once
+    every partition's remainder is in. In a round the final pool goes first, as the
+    emitter orders it (`FINAL_POOL` sorts first)."""
+    sources, final = run.sources, run.sources
     takes = []
-    size, newest = [0] * SOURCES, [0] * SOURCES
+    size, newest = [0] * (sources + 1), [0] * sources
+    releasing, handed = set(), set()
     entering = iter(sorted(run.entered))
     pending = next(entering, None)
     for now in run.rounds:
@@ -227,12 +273,24 @@ def ideal_takes(run: Run, floor: int, flush_ms: int) -> list[tuple[int, int, int
             size[pending[1]] += 1
             newest[pending[1]] = pending[0]
             pending = next(entering, None)
-        for source in range(SOURCES):
+        for source, (time, _) in run.finalized.items():
+            if time <= now and source not in releasing | handed:
+                if size[source] >= floor and size[source] > 0:
+                    releasing.add(source)
+                else:
+                    size[final] += size[source]
+                    size[source] = 0
+                    handed.add(source)
+        ready = run.final_ready is not None and run.final_ready <= now
+        for source in ([final] if ready else []) + list(range(sources)):
             while True:  # the emitter takes until nothing is due
-                count = min(size[source] - floor, EMIT_CHUNK)
-                quiet = now - newest[source] >= flush_ms
-                if count <= 0 < size[source] and size[source] >= floor and quiet:
-                    count = size[source]
+                if source == final or source in releasing:
+                    count = min(size[source], EMIT_CHUNK)
+                else:
+                    count = min(size[source] - floor, EMIT_CHUNK)
+                    quiet = now - newest[source] >= flush_ms
+                    if count <= 0 < size[source] and size[source] >= floor and quiet:
+                        count = size[source]
                 if count <= 0:
                     break
                 takes.append((now, source, count))
@@ -245,7 +303,7 @@ def ideal_layout(run: Run, takes: list[tuple[int, int, int]]) -> np.ndarray:
     token's partition, offsets in sending order, one timestamp per take. Tokens are fresh
     randomness, independent of groups, so the ideal pool's k-th record goes to the
     partition the worker's k-th record went to."""
-    offsets = [0] * SOURCES
+    offsets = [0] * run.sources
     layout = []
     sent = 0
     for now, source, size in takes:
@@ -258,21 +316,37 @@ def ideal_layout(run: Run, takes: list[tuple[int, int, int]]) -> np.ndarray:
 
 
 def simulate(run: Run, takes: list[tuple[int, int, int]], rng: np.random.Generator) -> np.ndarray:
-    """Group labels in sending order for SIMULATIONS runs of the ideal pool: (K, records)."""
-    by_source: dict[int, list[tuple[int, int]]] = {s: [] for s in range(SOURCES)}
+    """Group labels in sending order for SIMULATIONS runs of the ideal pool: (K, records).
+    A partition the close handed off moves whatever its simulated pool still holds to the
+    final pool."""
+    sources, final = run.sources, run.sources
+    by_source: dict[int, list[tuple[int, int]]] = {s: [] for s in range(sources)}
     for time, source, _, label in sorted(run.entered):
         by_source[source].append((time, label))
-    pools = {s: np.empty((SIMULATIONS, 0), dtype=np.int64) for s in range(SOURCES)}
-    cursor = dict.fromkeys(range(SOURCES), 0)
-    out = []
-    for now, source, size in takes:
+    pools = {s: np.empty((SIMULATIONS, 0), dtype=np.int64) for s in range(sources + 1)}
+    cursor = dict.fromkeys(range(sources), 0)
+    moved: set[int] = set()
+
+    def fill(source: int, until: int) -> None:
         entries = by_source[source]
         start = cursor[source]
-        while cursor[source] < len(entries) and entries[cursor[source]][0] <= now:
+        while cursor[source] < len(entries) and entries[cursor[source]][0] <= until:
             cursor[source] += 1
         if cursor[source] > start:
             new = np.array([label for _, label in entries[start : cursor[source]]])
             pools[source] = np.hstack([pools[source], np.tile(new, (SIMULATIONS, 1))])
+
+    out = []
+    for now, source, size in takes:
+        if source == final:
+            for handed, (time, kind) in run.finalized.items():
+                if kind == "handed" and time <= now and handed not in moved:
+                    fill(handed, time)
+                    pools[final] = np.hstack([pools[final], pools[handed]])
+                    pools[handed] = pools[handed][:, :0]
+                    moved.add(handed)
+        else:
+            fill(source, now)
         pool = pools[source]
         order = np.argsort(rng.random(pool.shape), axis=1)
         shuffled = np.take_along_axis(pool, order, axis=1)
@@ -353,31 +427,44 @@ CHECKS = ("offsets", "timestamps", "emission order", "partitions")
 
 @pytest.fixture(scope="module", params=list(REGIMES))
 def regime(request, servers) -> tuple[str, Run, StreamConfig]:
-    config = stream_config()
-    records, arrival = REGIMES[request.param]
+    records, arrival, defaults = REGIMES[request.param]
+    config = stream_config(defaults)
     return request.param, asyncio.run(publish_stream(servers, config, records, arrival)), config
 
 
 @pytest.fixture(scope="module")
 def without_floor(servers) -> Run:
     config = replace(stream_config(), mixing_pool=0)  # below what the config accepts
-    records, arrival = REGIMES["0.5 per second"]
+    records, arrival, _ = REGIMES["0.5 per second"]
     return asyncio.run(publish_stream(servers, config, records, arrival))
 
 
-def test_takes_follow_the_floor_rule(regime):
+def test_takes_follow_the_floor_rule_and_the_close(regime):
     name, run, config = regime
+    records = REGIMES[name][0]
     flush = int(config.flush_interval * 1000)
-    assert run.takes == ideal_takes(run, FLOOR, flush), name
-    # Every pooled record was published, except fewer than a floor's worth per partition
-    # that arrived after the last whole release and wait for more.
-    assert len(run.entered) - SOURCES * FLOOR < len(run.layout) <= len(run.entered)
+    assert run.takes == ideal_takes(run, config.mixing_pool, flush), name
+    # The close published every pooled record: below the floor too, in the final pool.
+    assert len(run.layout) == len(run.entered) == len({e[2] for e in run.entered})
+    assert sorted(run.finalized) == list(range(config.partitions))
+    # Every accepted record published, but those no group could take at the close.
+    totals = run.totals
+    assert totals["ingested"] == records * config.partitions
+    assert totals["published"] == len(run.layout)
+    assert totals["suppressed"] == totals["ingested"] - totals["published"]
+    if name == SURVEY:
+        # The default floor held: records left in whole draws of at least 1,000, or of the
+        # excess over a full pool, and the rest in the close's mixed take. A record waits
+        # for its group at most max_wait, a day: only the close suppresses.
+        assert config.partitions == 1 and config.mixing_pool == 1000
+        assert run.takes[-1][1] == run.sources and run.takes[-1][2] < 1000
+        assert totals["suppressed"] == totals["suppressed_at_close"] < 20
 
 
 @pytest.mark.parametrize("check", CHECKS)
 def test_published_neighbours_say_no_more_than_a_draw_from_the_floor(regime, check):
     name, run, config = regime
-    verdict = verdicts(run, FLOOR, int(config.flush_interval * 1000))[check]
+    verdict = verdicts(run, config.mixing_pool, int(config.flush_interval * 1000))[check]
     assert not verdict.rejects, (name, verdict)
 
 
@@ -421,7 +508,7 @@ def test_each_take_is_shuffled_by_128_fresh_bits_and_nothing_shorter(servers):
             rows = list(itertools.islice(csv.DictReader(stream), 400))
         names = config.schema.names
         messages = [
-            RawMessage(0, i, None, json.dumps({n: r[n] for n in names}).encode())
+            RawMessage(0, i, b"%d" % i, json.dumps({n: r[n] for n in names}).encode())
             for i, r in enumerate(rows)
         ]
         await buffer.ingest(0, preparer.prepare(messages)[0][0], T0)

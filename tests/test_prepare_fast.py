@@ -31,6 +31,7 @@ from test_fuzz import ARBITRARY_LISTS, CONFIGS, FUZZ, KEYS, ODD_LISTS
 from service.config import StreamConfig, parse_config
 from service.ingest import (
     MAX_MESSAGE_BYTES,
+    NO_KEY,
     PreparedBatch,
     Preparer,
     RawMessage,
@@ -39,7 +40,7 @@ from service.ingest import (
 from service.mechanisms.decoy import DecoyGroups
 from service.mechanisms.personal import PersonalGroups, UniformPerturbation
 from service.prf import ServiceKey, prf128
-from service.schema import Attribute, RecordError, Schema
+from service.schema import Attribute, RecordError, Rejection, Schema
 from service.table import Table, open_sample
 from service.windowed import WindowPreparer
 
@@ -98,9 +99,15 @@ class ReferencePreparer:
         vouch for goes through `_validate`, the exact reference, so the outcome and the
         reason of a rejection are the same either way.
         """
+        # Issue 29: a message without a key is rejected first.
+        rejected = [
+            Rejected(m, Rejection(f"{m.partition}/{m.offset}", None, NO_KEY))
+            for m in messages
+            if not m.key
+        ]
+        messages = [m for m in messages if m.key]
         codes = self._fast_codes([m.value for m in messages])
         accepted: dict[int, list[tuple[RawMessage, list[int]]]] = {}
-        rejected = []
         for message, fast in zip(messages, codes, strict=True):
             if fast is None:
                 try:
@@ -165,16 +172,8 @@ class ReferencePreparer:
     ) -> PreparedBatch:
         """A batch of validated records (`codes` in schema order) with their dedup keys, ids
         and fingerprints, and no randomization inputs yet."""
-        dedup_keys = [b"k:" + m.key if m.key else b"o:%d" % m.offset for m in messages]
-        # A personal stream stores a record in the partition of its group
-        # (`service.buffer.StreamBuffer.grouped_messages`), where records of every raw
-        # partition meet: there a fingerprint names the raw partition too, as the id does,
-        # or "o:<offset>" of two raw partitions would pass for one record.
-        named = (
-            [b"%d:" % partition + d for d in dedup_keys]
-            if self.config.personal is not None
-            else dedup_keys
-        )
+        # Issue 29: a response's identity is the stream's, its key alone.
+        dedup_keys = [b"k:" + m.key for m in messages]
         return PreparedBatch(
             partition=partition,
             messages=messages,
@@ -186,9 +185,9 @@ class ReferencePreparer:
             fingerprints=[
                 hashlib.blake2b(dedup, digest_size=8, key=self._fingerprint_key).digest()
                 + hashlib.blake2b(row.tobytes(), digest_size=4, key=self._digest_key).digest()
-                for dedup, row in zip(named, codes, strict=True)
+                for dedup, row in zip(dedup_keys, codes, strict=True)
             ],
-            ids=reference_ids(self.key, [b"%d:" % partition + d for d in dedup_keys]),
+            ids=reference_ids(self.key, dedup_keys),
             public=[b",".join(b"%d" % c for c in row) for row in codes[:, self._public].tolist()],
             sensitive=codes[:, self._sensitive],
         )
@@ -362,7 +361,7 @@ def adult_messages(config: StreamConfig, count: int, seed: int) -> list[RawMessa
             ensure_ascii=style == "ascii",
         ).encode()
         assert set(record) == set(names)
-        key = None if rng.random() < 0.1 else b"adult.csv:%d" % rng.randrange(count)
+        key = None if rng.random() < 0.1 else b"c:%d:1" % rng.randrange(count)
         messages.append(RawMessage(offset % 3, offset, key, text))
     return messages
 
@@ -499,7 +498,7 @@ def test_tricky_records_and_schemas_are_prepared_as_before(stream, schema):
     new, old = preparers(config)
     values = tricky_messages(config.schema, 3000, seed=7)
     rng = random.Random(3)
-    messages = [RawMessage(rng.randrange(2), i, None, v) for i, v in enumerate(values)]
+    messages = [RawMessage(rng.randrange(2), i, b"%d" % i, v) for i, v in enumerate(values)]
     # Whole batches, so that the batch-wide reading and its quote total are exercised, and
     # single messages.
     for start in range(0, len(messages), 500):

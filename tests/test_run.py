@@ -1,11 +1,16 @@
 """`splu run` on a user's own data: a CSV and a config written here, not Adult.
 
-A synthetic survey (region, plan, and a sensitive answer) with a few invalid rows, run
-once as a decoy stream and once as a personal stream with no merge map, each on fresh
-embedded servers. The summary's accounting must add up (every record sent is in and
-published, suppressed or waiting below the mixing floor, or rejected), and the CSV
---published-out writes must hold exactly the published records: the schema's columns in
-its order, values from their domains, no id column, and the public values of the input.
+A synthetic survey of 400 responses (region, plan, and a sensitive answer) with a few
+invalid rows, run once as a decoy stream and once as a personal stream with no merge map,
+each on fresh embedded servers, with a config that leaves the mixing floor at its default
+of 1,000 records, which 400 never fill: `splu run` closes the stream at the end of its
+input, and the close publishes what the floor held (issue 29). The summary's accounting
+must add up (every record sent is in and published or suppressed, or rejected), and the
+CSV --published-out writes must hold exactly the published records: the schema's columns
+in its order, values from their domains, no id column, and the public values of the
+input. A survey of 12 responses (4 groups, fewer than the minimum mixing of 10) is
+suppressed whole at the close, as stream.small_remainder says by default: the summary
+says so and --published-out writes a header alone.
 """
 
 from __future__ import annotations
@@ -29,16 +34,15 @@ SPLU = [sys.executable, "-m", "streams.cli"]
 REGIONS = ("north", "south", "east", "west")
 PLANS = ("basic", "plus", "pro")
 ANSWERS = ("never", "rarely", "sometimes", "often", "always", "refused")
-ROWS = 2500
+ROWS = 400
 INVALID = 3
 SUMMARY = re.compile(
     r"records: ([\d,]+) sent, ([\d,]+) in, ([\d,]+) published, ([\d,]+) suppressed, "
     r"([\d,]+) rejected"
 )
-BELOW_FLOOR = re.compile(r"([\d,]+) records stay in mixing pools below their floor")
 
 
-def write_survey(path: Path) -> list[dict[str, str]]:
+def write_survey(path: Path, rows: int = ROWS) -> list[dict[str, str]]:
     rng = np.random.default_rng(5)
     rows = [
         {
@@ -47,7 +51,7 @@ def write_survey(path: Path) -> list[dict[str, str]]:
             "plan": PLANS[rng.choice(len(PLANS), p=[0.6, 0.3, 0.1])],
             "answer": ANSWERS[rng.choice(len(ANSWERS), p=[0.3, 0.25, 0.2, 0.12, 0.08, 0.05])],
         }
-        for i in range(ROWS)
+        for i in range(rows)
     ]
     rows += [
         {"respondent": f"bad{i}", "region": "mars", "plan": "basic", "answer": "never"}
@@ -65,8 +69,8 @@ def write_config(path: Path, mechanism: str) -> None:
     document: dict = {
         "stream": {
             "name": f"survey-{mechanism}", "mechanism": mechanism, "partitions": 2,
-            "max_wait": 5.0, "mixing_pool": 30, "flush_interval": 1.0, "buffer_cap": 2000,
-            "report_interval": 2.0, "batch_size": 500, "batch_wait": 0.1,
+            "max_wait": 5.0, "flush_interval": 1.0, "report_interval": 2.0,
+            "batch_size": 500, "batch_wait": 0.1,
         },
         "key": {"env": "SPLU_SERVICE_KEY"},
         "kafka": {"bootstrap": "127.0.0.1:9092"},
@@ -88,6 +92,19 @@ def write_config(path: Path, mechanism: str) -> None:
     path.write_text(tomli_w.dumps(document))
 
 
+def splu_run(
+    directory: Path, config: Path, source: Path, *options: str
+) -> subprocess.CompletedProcess:
+    """`splu run` on the survey, keyed by its respondent column, in a clean environment
+    (no servers or key named: the run starts its own)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "REDIS_", "SPLU_"))}
+    return subprocess.run(
+        [*SPLU, "run", "--config", str(config), "--input", str(source),
+         "--id-column", "respondent", *options],
+        env=env, cwd=directory, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+
+
 def number(text: str) -> int:
     return int(text.replace(",", ""))
 
@@ -96,6 +113,7 @@ def number(text: str) -> int:
 def test_run_streams_a_users_csv_and_writes_what_was_published(tmp_path, mechanism):
     source, config, out = tmp_path / "survey.csv", tmp_path / "survey.toml", tmp_path / "out.csv"
     rows = write_survey(source)
+    assert len(rows) - INVALID < 1000  # the default floor, which the config keeps
     if mechanism == "personal":
         rows = [r for r in rows if r["answer"] in ANSWERS[:3] or r["region"] == "mars"]
         with source.open("w", newline="") as stream:
@@ -103,12 +121,7 @@ def test_run_streams_a_users_csv_and_writes_what_was_published(tmp_path, mechani
             writer.writeheader()
             writer.writerows(rows)
     write_config(config, mechanism)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "REDIS_", "SPLU_"))}
-    result = subprocess.run(
-        [*SPLU, "run", "--config", str(config), "--input", str(source),
-         "--id-column", "respondent", "--published-out", str(out)],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+    result = splu_run(tmp_path, config, source, "--published-out", str(out))
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "is not set; this run uses a fresh service key" in output
@@ -116,12 +129,11 @@ def test_run_streams_a_users_csv_and_writes_what_was_published(tmp_path, mechani
     summary = SUMMARY.search(output)
     assert summary, output
     sent, ingested, published, suppressed, rejected = map(number, summary.groups())
-    below = BELOW_FLOOR.search(output)
-    resting = number(below.group(1)) if below else 0
     assert sent == len(rows) and rejected == INVALID, output
-    assert ingested == sent - rejected == published + suppressed + resting, output
-    assert 0 < resting < 2 * 30 or resting == 0
+    assert ingested == sent - rejected == published + suppressed, output
     assert published > 0.9 * ingested, output
+    assert "responses never fill the mixing floor of 1,000" in output, output
+    assert "left as one take of" in output, output
     assert "standing queries" in output and "privacy tests (last report):" in output
 
     with out.open(newline="") as stream:
@@ -135,7 +147,22 @@ def test_run_streams_a_users_csv_and_writes_what_was_published(tmp_path, mechani
     sent_public = Counter((r["region"], r["plan"]) for r in rows if r["region"] != "mars")
     shown_public = Counter((r["region"], r["plan"]) for r in published_rows)
     assert all(shown_public[k] <= sent_public[k] for k in shown_public)
-    assert sum(sent_public.values()) - sum(shown_public.values()) == suppressed + resting
+    assert sum(sent_public.values()) - sum(shown_public.values()) == suppressed
+
+
+def test_a_survey_too_small_to_mix_is_suppressed_and_says_so(tmp_path):
+    source, config, out = tmp_path / "survey.csv", tmp_path / "survey.toml", tmp_path / "out.csv"
+    write_survey(source, rows=12)
+    write_config(config, "decoy")
+    result = splu_run(tmp_path, config, source, "--published-out", str(out))
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 and "Traceback" not in output, output
+    counts = tuple(map(number, SUMMARY.search(output).groups()))
+    # sent, in, published, suppressed, rejected
+    assert counts == (12 + INVALID, 12, 0, 12, INVALID), output
+    assert "fewer than the minimum mixing of 30 records" in output, output
+    assert "published records: 0 rows written" in output, output
+    assert out.read_text().splitlines() == ["region,plan,answer"]
 
 
 def test_run_counts_a_windowed_stream_with_its_consumer(tmp_path):
@@ -152,12 +179,7 @@ def test_run_counts_a_windowed_stream_with_its_consumer(tmp_path):
         "min_window": 50,
     }  # fmt: skip
     config.write_text(tomli_w.dumps(document))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "REDIS_", "SPLU_"))}
-    result = subprocess.run(
-        [*SPLU, "run", "--config", str(config), "--input", str(source),
-         "--id-column", "respondent"],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
+    result = splu_run(tmp_path, config, source)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     summary = SUMMARY.search(output)

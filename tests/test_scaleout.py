@@ -5,10 +5,14 @@ binary as every Redis test; CI runs the decoy variant and the failover again on 
 redis-server, and personal.lua on both in test_buffer.py), 6 partitions,
 3 worker processes and 2 consumer processes, all as their least-privilege ACL users (set
 on every node). 20,000 Adult records stream in; mid-stream one worker and one consumer are
-SIGKILLed and started again. Then:
+SIGKILLed and started again. Once the stream has settled it is closed (`splu close`'s
+steps) after a survey's tail, a few hundred responses that leave each partition's pool
+below its floor, and a worker is SIGKILLed again during the close. Then:
 
-- exact accounting: every record ingested is published, suppressed (decoy records past
-  max_wait) or still held below a partition's mixing floor, nothing pending or in flight;
+- exact accounting: every record ingested is published or suppressed (decoy records past
+  max_wait, or that no group could take at the close), nothing pending, pooled below a
+  floor or in flight: the close mixed the partitions' remainders, which live in other
+  slots than the final pool, across the cluster;
 - each published record under exactly one token: the topic's distinct tokens equal the
   workers' published count (a record taken twice would count twice, and the accounting
   above would not add up), whatever copies a crash re-sent, and every message sits in
@@ -46,9 +50,12 @@ from deploy.embedded import (
     spawn_worker,
 )
 from service import client
+from service.buffer import BufferState
 from service.cli import main
+from service.lifecycle import close_status
 from service.running_counts import RunningCounts
 from streams.app import ClusterMap, partition_of
+from streams.closing import request_close
 from streams.produce import produce
 from streams.topics import create_topics
 
@@ -138,20 +145,22 @@ class Fleet:
             process.stop()
 
 
-def settled_and_counted(harness: Harness) -> tuple[dict[str, int], list, dict[bytes, bytes]]:
+def settled_and_counted(
+    harness: Harness, records: int = RECORDS
+) -> tuple[dict[str, int], list, dict[bytes, bytes]]:
     """Once every record is published, suppressed or held below the floor, with nothing
     pending or in flight: the totals, every published message (copies included) and each
     distinct token's value, after checking that the accounting adds up, that the distinct
     tokens are the records published, and that the consumers counted each once."""
     final = wait_for(
         lambda: (
-            (t := asyncio.run(totals(harness)))["settled"] == RECORDS
+            (t := asyncio.run(totals(harness)))["settled"] == records
             and t["pending"] == t["in_flight"] == 0
             and t
         ),
         "every record published, suppressed or held below the floor",
     )
-    assert final["ingested"] == RECORDS
+    assert final["ingested"] == records
     resolved = final["published"] + final.get("suppressed", 0)
     assert final["ingested"] == resolved + final["below_floor"]
     messages = asyncio.run(harness.read_all(harness.config.topics["published"]))
@@ -162,6 +171,49 @@ def settled_and_counted(harness: Harness) -> tuple[dict[str, int], list, dict[by
         "the consumers to count every distinct token",
     )
     return final, messages, distinct
+
+
+TAIL = 300  # responses after the stream settled: fewer than any partition's floor
+
+
+def close_through_a_kill(harness: Harness, fleet: Fleet) -> tuple[dict[str, int], list, dict]:
+    """A survey's tail, then its close: SIGKILL a worker while the close goes on and start
+    it again, then `settled_and_counted` once the close is complete: every record
+    published or suppressed, none below a floor."""
+    config = harness.config
+    tail = adult_rows(config, start=RECORDS)[:TAIL]
+    asyncio.run(produce(config, iter(tail), rate=RATE / 10, progress=False))
+    below = wait_for(
+        lambda: (
+            (t := asyncio.run(totals(harness)))["settled"] == RECORDS + TAIL
+            and t["pending"] == t["in_flight"] == 0
+            and t["below_floor"]
+        ),
+        "the tail to settle below the floors",
+    )
+    assert 0 < below < PARTITIONS * config.mixing_pool
+    asyncio.run(request_close(config))
+    fleet.workers[1].kill()
+    status = asyncio.run(close_state(harness))
+    assert status["state"] == "closing", "the kill must come during the close"
+    time.sleep(1.0)
+    fleet.workers[1] = fleet.start_worker(1)
+    status = wait_for(
+        lambda: (s := asyncio.run(close_state(harness)))["state"] == "closed" and s, "the close"
+    )
+    final, messages, distinct = settled_and_counted(harness, RECORDS + TAIL)
+    assert final["below_floor"] == final["pool"] == final["handoff"] == 0
+    assert final["published"] + final["suppressed"] == RECORDS + TAIL
+    assert status["remainder"]["records"] >= below  # mixed across the partitions' slots
+    return final, messages, distinct
+
+
+async def close_state(harness: Harness) -> dict:
+    redis = admin(harness)
+    try:
+        return await close_status(BufferState(redis, harness.config))
+    finally:
+        await redis.aclose()
 
 
 def produce_in_background(harness: Harness, rate: float = RATE) -> threading.Thread:
@@ -207,6 +259,7 @@ def test_three_workers_and_two_consumers_on_a_redis_cluster_through_kills(
         final, messages, distinct = settled_and_counted(harness)
         assert final.get("rejected", 0) == 0
         assert final["below_floor"] < PARTITIONS * config.mixing_pool
+        final, messages, distinct = close_through_a_kill(harness, fleet)
         # Copies a killed worker re-sent sit in the partition of their token, with the first.
         assert all(m.partition == partition_of(m.key, PARTITIONS) for m in messages)
 
@@ -222,7 +275,7 @@ def test_three_workers_and_two_consumers_on_a_redis_cluster_through_kills(
             )
             for url in fleet.urls
         ]
-        assert all(s["worker"]["ingested"] == RECORDS for s in statuses)
+        assert all(s["worker"]["ingested"] == RECORDS + TAIL for s in statuses)
         write_published_csv(
             tmp_path / "published.csv", config, [json.loads(v) for v in distinct.values()]
         )

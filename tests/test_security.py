@@ -57,8 +57,11 @@ EXAMPLES = Path(__file__).parents[1] / "deploy" / "examples"
 RECORDS = 3000
 TIMEOUT = 120.0
 # What may remain of a partition once everything is published: counters, aggregates,
-# gauges, the keyed fingerprints, the offset watermark and the adversary test's tallies.
-LEFT_BEHIND = {"stats", "waiting", "delay", "sup", "off", "seen", "truth", "shown"}
+# gauges, the keyed fingerprints, the offset watermark, the gate's offsets and the
+# adversary test's tallies; of an identity shard, its keyed fingerprints, the offsets it
+# screened to and its counters.
+LEFT_BEHIND = {"stats", "waiting", "delay", "sup", "off", "seen", "truth", "shown", "close"}
+SHARD_LEFT_BEHIND = {"seen", "screened", "stats"}
 EXPIRING = {"truth", "shown"}
 READ_RECORDS = "return redis.call('HGETALL', KEYS[1])"  # a script runs under its caller's ACL
 
@@ -237,6 +240,14 @@ def test_least_privilege_no_raw_values_in_logs_or_left_in_redis(servers, tmp_pat
                         digests += [entries[i + 6 : i + 10] for i in range(0, len(entries), 10)]
                 if kind in EXPIRING:
                     expiries.append(await admin.pttl(key))
+        for shard in range(config.partitions):
+            prefix = BufferState(admin, config).shard_prefix(shard)
+            async for key in admin.scan_iter(match=f"{prefix}:*"):
+                kind = key.decode()[len(prefix) + 1 :]
+                assert kind in SHARD_LEFT_BEHIND, kind
+                if kind == "seen":
+                    for entries in (await admin.hgetall(key)).values():
+                        digests += [entries[i + 6 : i + 10] for i in range(0, len(entries), 18)]
         await admin.aclose()
         return kinds, digests, expiries
 

@@ -3,7 +3,8 @@
 `splu up` runs in the foreground and prints two export lines (three with
 `--redis-cluster 3`, which runs a Redis Cluster); the worker, the
 consumer and the producer run as the README shows them, with those variables and the
-example config; `/estimate` answers. Then Ctrl-C stops `splu up`, and nothing it
+example config; `/estimate` answers; `splu close` ends the survey and publishes what the
+mixing floors held. Then Ctrl-C stops `splu up`, and nothing it
 started is left running (this process is a subreaper, so an orphan would show up as
 its child).
 """
@@ -113,6 +114,18 @@ def test_up_then_the_readme_stream_section_then_ctrl_c_leaves_nothing(tmp_path, 
         for page in (f"{worker_port}/healthz", f"{worker_port}/readyz", f"{port}/readyz"):
             with urllib.request.urlopen(f"http://127.0.0.1:{page}", timeout=10) as response:
                 assert response.status == 200, page
+        # The survey ends: what the floors held is published, and the close says so.
+        closed = subprocess.run(
+            [*SPLU, "close", "--config", CONFIG], env=env, cwd=tmp_path, capture_output=True,
+            text=True, timeout=300, check=False,
+        )  # fmt: skip
+        assert closed.returncode == 0, closed.stderr
+        assert f"closed: {RECORDS:,} records accepted" in closed.stderr, closed.stderr
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/status") as response:
+            status = json.loads(response.read())
+        worker = status["worker"]
+        assert worker["published"] + worker["suppressed"] == RECORDS and worker["pool"] == 0
+        assert status["close"]["state"] == "closed", status["close"]
     finally:
         for process in started:
             process.send_signal(signal.SIGINT)

@@ -25,6 +25,7 @@ from service.commands.common import (
     report_rejections,
     write_json,
 )
+from service.config import DEFAULT_MIXING_POOL, DEFAULT_PARTITIONS, MIN_MIXING_GROUPS
 from service.mechanisms.personal import BUDGETS
 from service.merge import ValueMap
 from service.progress import progress_bar
@@ -479,6 +480,12 @@ def command_plan(args: argparse.Namespace) -> int:
         print("".join(f"    {line}\n" for line in r["toml"].splitlines()))
     if any(r["toml"] for r in recommendations):
         print("  then: splu run --config my-stream.toml --input answers.csv")
+    # The floor a stream gets by default, and the least it may hold (10 groups).
+    decoy_setting = next((r["setting"] for r in recommendations if r["mechanism"] == "decoy"), None)
+    groups = MIN_MIXING_GROUPS * (decoy_setting["gamma"] if decoy_setting else 1)
+    note = planning.floor_note(n, DEFAULT_MIXING_POOL, DEFAULT_PARTITIONS, groups)
+    if note:
+        print(f"\n{note}")
 
     if args.json:
         write_json(args.json, {

@@ -6,13 +6,20 @@
 -- KEYS[1]  the partition's key prefix, "splu:{<stream>:<partition>}"; every key below
 --          extends it, so one Redis Cluster hash slot holds them all.
 -- ARGV     now_ms, max_wait_ms, gamma, w (sensitive attributes), seed, record ttl (ms,
---          0: none), n, then one argument per record: id (32 hex digits), fingerprint
---          (ingest.lua), then "public codes|values|draws|raw offset" (codes
+--          0: none), through (the highest raw offset handled, ingest.lua), floor (the
+--          mixing pool's), closed retention (ms), n, then one argument per record: id (32
+--          hex digits), then "public codes|values|draws|raw offset" (codes
 --          comma-separated).
 -- Returns  the number of records waiting, the pool size, then position and status of
---          each record not stored anew (1 redelivered, 2 id reused with other content).
+--          each record not stored anew (1 redelivered, 2 id reused with other content, 3
+--          late: the partition was finalized).
 --
--- Keys: :seen and :off (ingest.lua); :rec id -> msgpack {arrival, public, values, draws,
+-- At the close (ingest.lua, close_state): once every raw offset below the partition's
+-- close offset is handled, the call that sees it cuts what it can as always, then
+-- suppresses every record still waiting or held, whatever its wait: no record arrives any
+-- more to group it or fill its group's holes. Then the pool leaves (finish_close).
+--
+-- Keys: :off (ingest.lua); :rec id -> msgpack {arrival, public, values, draws,
 -- published, attributes still to group, audit per attribute, group number per
 -- attribute}; :t arrival index of records still waiting for a group; :b:<a>:<v> bucket
 -- of attribute a, value v (members are ids, score 0, so ZPOPMIN takes the smallest
@@ -39,7 +46,8 @@ local now, max_wait, gamma = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV
 -- formats it with sprintf, once per record otherwise.
 local now_text = ARGV[1]
 local w, seed, ttl = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
-local n = tonumber(ARGV[7])
+local through, floor, retention = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+local n = tonumber(ARGV[10])
 local k_rec, k_time = base .. ':rec', base .. ':t'
 local k_pool, k_stats, k_sup = base .. ':pool', base .. ':stats', base .. ':sup'
 local k_open, k_holes = base .. ':open', base .. ':holes'
@@ -292,13 +300,14 @@ local function smallest(a, v, count)
   return ids
 end
 
-open_dedup(base, n, 7)
+open_dedup(base, n, 10, through, false)
+local close_offset, finalized = close_state(base, 'raw')
 -- HSETNX: an id stored twice would count twice in its buckets, and a cut would then pop
 -- an empty bucket. Which ids :rec holds is asked once for the whole batch.
 local stored = {}
 for start = 1, n, 1000 do
   local ids = {}
-  for r = start, math.min(start + 999, n) do ids[#ids + 1] = string.sub(ARGV[7 + r], 1, 32) end
+  for r = start, math.min(start + 999, n) do ids[#ids + 1] = string.sub(ARGV[10 + r], 1, 32) end
   local found = redis.call('HMGET', k_rec, unpack(ids))
   for j, id in ipairs(ids) do
     if found[j] then stored[id] = true end
@@ -317,9 +326,11 @@ local function keep_waiting(id)
 end
 for r = 1, n do
   local id, bucket, key, digest, public, value_text, draw_text, offset =
-    fields_of(ARGV[7 + r], 4)
+    fields_of(ARGV[10 + r], 4)
   local fresh = first_seen(r, bucket, key, digest, offset)
-  if fresh and (records[id] or arrived[id] or stored[id]) then
+  if fresh and finalized then
+    refuse_late(r)
+  elseif fresh and (records[id] or arrived[id] or stored[id]) then
     status[#status + 1] = r
     status[#status + 1] = 1
     redelivered = redelivered + 1
@@ -534,6 +545,9 @@ for start = 1, #waiting_arrivals, 2000 do
   redis.call('ZADD', k_time, unpack(waiting_arrivals, start, math.min(start + 1999, #waiting_arrivals)))
 end
 
+-- At the close nothing arrives any more: every record still waiting is suppressed now.
+local final = finalizing(close_offset, finalized)
+if final then max_wait = 0 end
 local suppressed = 0
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', k_time, '-inf', now - max_wait)) do
   -- A replacement taken earlier in this loop may have been grouped on its last attribute.
@@ -541,6 +555,27 @@ for _, id in ipairs(redis.call('ZRANGEBYSCORE', k_time, '-inf', now - max_wait))
     suppress(id)
     suppressed = suppressed + 1
   end
+end
+
+-- What is left at the close is held (several attributes): grouped on each, in a group
+-- whose hole no record will fill. Its groups never seal, so it is suppressed with them.
+if final then
+  local held = {}
+  for _, id in ipairs(redis.call('HKEYS', k_rec)) do held[id] = true end
+  for id in pairs(records) do held[id] = true end
+  for id in pairs(held) do
+    redis.call('HDEL', k_rec, id)
+    records[id], dirty[id] = nil, nil
+    suppressed = suppressed + 1
+  end
+  for _, number in ipairs(redis.call('SMEMBERS', k_open)) do
+    redis.call('DEL', group_key(number))
+  end
+  for _, hole in ipairs(redis.call('SMEMBERS', k_holes)) do
+    redis.call('DEL', base .. ':hole:' .. hole)
+  end
+  redis.call('DEL', k_open, k_holes, k_time)
+  redis.call('HINCRBY', k_stats, 'suppressed_at_close', suppressed)
 end
 
 for id in pairs(dirty) do
@@ -570,6 +605,7 @@ if ttl > 0 then
   expire_with_ttl(ttl, buffered)
 end
 
+if final then finish_close(base, floor, retention, {k_sup}) end
 local waiting = redis.call('HLEN', k_rec)
 redis.call('HSET', k_stats, 'draws', draws())
 redis.call('HSET', base .. ':waiting', 'held', waiting - redis.call('ZCARD', k_time))

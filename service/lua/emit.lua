@@ -13,11 +13,22 @@
 -- short internal state limits the orders a take can have, and nobody can search the seed
 -- space to undo a shuffle. Redis's own PRNG (ZRANDMEMBER, math.random) is not used.
 --
--- KEYS[1]  the partition's key prefix.
--- ARGV     now_ms, floor (records), quiet_ms, most records to move as excess, a fresh
---          random seed (32 hex digits), and optionally the first tokens of the take
---          (below), 32 hex digits each, concatenated, and the first SHA-1 blocks of its
---          shuffle (uniforms.lua).
+-- At a survey's end (SPEC §3) a partition's pool leaves whole if it holds at least the
+-- floor (state releasing, ingest.lua's finish_close); a smaller remainder joins the
+-- stream's final pool (close.lua, receive.lua), where every partition's remainder is
+-- mixed. The final pool waits until every partition's remainder is in, then leaves whole,
+-- a uniformly shuffled take of the whole stream's remainder. If it holds fewer than the
+-- minimum mixing (10 groups), the configured choice applies: it is suppressed, counted,
+-- or published as the stream's smallest take, its size kept (`final_take`) so the reports
+-- state what a take that small tells.
+--
+-- KEYS[1]  the partition's key prefix, or the final pool's ("splu:{<stream>:final}").
+-- ARGV     now_ms, floor (records), quiet_ms, most records to move at once, a fresh
+--          random seed (32 hex digits), partitions (0 for a partition's pool; for the final
+--          pool, the stream's partition count, whose remainders it waits for), minimum
+--          mixing (records), what a smaller final remainder gets ('publish' or 'suppress'),
+--          and optionally the first tokens of the take (below), 32 hex digits each,
+--          concatenated, and the first SHA-1 blocks of its shuffle (uniforms.lua).
 -- Returns  token, entry, token, entry, ... in the order drawn.
 
 local base = KEYS[1]
@@ -25,14 +36,39 @@ local k_pool, k_inflight = base .. ':pool', base .. ':inflight'
 local k_delay, k_stats = base .. ':delay', base .. ':stats'
 local now, floor, quiet_ms = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local limit, seed = tonumber(ARGV[4]), ARGV[5]
-local given, given_blocks = ARGV[6] or '', ARGV[7]
+local partitions, min_mixing, small = tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8]
+local given, given_blocks = ARGV[9] or '', ARGV[10]
 assert(#seed >= 32, 'the shuffle needs a seed of at least 128 bits')
 
 local size = redis.call('ZCARD', k_pool)
-local count = math.min(size - floor, limit)
-if count <= 0 and size > 0 and size >= floor then
-  local newest = redis.call('ZRANGE', k_pool, -1, -1, 'WITHSCORES')
-  if now - tonumber(newest[2]) >= quiet_ms then count = size end
+local count
+if partitions > 0 then
+  -- The final pool: whole, once every partition's remainder is in.
+  if redis.call('SCARD', base .. ':from') < partitions or size == 0 then return {} end
+  if not redis.call('HGET', k_stats, 'final_take') then
+    redis.call('HSET', k_stats, 'final_take', size)
+    if size < min_mixing and small == 'suppress' then
+      redis.call('DEL', k_pool)
+      redis.call('HINCRBY', k_stats, 'suppressed', size)
+      redis.call('HINCRBY', k_stats, 'suppressed_remainder', size)
+      redis.call('HSET', k_stats, 'pool', 0)
+      return {}
+    end
+  end
+  count = math.min(size, limit)
+elseif redis.call('HGET', base .. ':close', 'state') == 'releasing' then
+  -- A closed partition's pool of at least the floor: whole, in takes of at most `limit`.
+  if size == 0 then
+    redis.call('HSET', base .. ':close', 'state', 'handoff')
+    return {}
+  end
+  count = math.min(size, limit)
+else
+  count = math.min(size - floor, limit)
+  if count <= 0 and size > 0 and size >= floor then
+    local newest = redis.call('ZRANGE', k_pool, -1, -1, 'WITHSCORES')
+    if now - tonumber(newest[2]) >= quiet_ms then count = size end
+  end
 end
 if count <= 0 then return {} end
 

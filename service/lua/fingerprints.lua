@@ -27,6 +27,20 @@ function Fingerprints:load_args(first, last, step, at)
   self:load(order)
 end
 
+-- Load the buckets of the fingerprints packed in `blob`, one every `stride` bytes, each
+-- starting with its bucket.
+function Fingerprints:load_packed(blob, stride)
+  local wanted, order = {}, {}
+  for at = 1, #blob, stride do
+    local bucket = string.sub(blob, at, at + 1)
+    if not wanted[bucket] then
+      wanted[bucket] = true
+      order[#order + 1] = bucket
+    end
+  end
+  self:load(order)
+end
+
 function Fingerprints:load(bucket_list)
   for start = 1, #bucket_list, 1000 do
     local stop = math.min(start + 999, #bucket_list)

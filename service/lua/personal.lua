@@ -10,11 +10,19 @@
 -- KEYS[1]  the partition's key prefix, "splu:{<stream>:<partition>}".
 -- ARGV     now_ms, max_wait_ms, release_size, budget (bounded, adaptive, conservative or
 --          none), fixed budget (conservative), p, m, lambda, delta, level (the bounded
---          budget's 1 - confidence), record ttl (ms, 0: none), n, then one argument per
---          record: id (32 hex digits), fingerprint (ingest.lua), then
---          "public codes|group key|value|perturbed value|offset" (the grouped offset).
+--          budget's 1 - confidence), record ttl (ms, 0: none), through (the highest
+--          grouped offset handled, ingest.lua), floor (the mixing pool's), closed retention
+--          (ms), n, then one argument per record: id (32 hex digits), fingerprint
+--          (ingest.lua), then "public codes|group key|value|perturbed value|offset" (the
+--          grouped offset).
 -- Returns  the number of buffered records, the pool size, then position and status of
---          each record not stored anew (1 redelivered, 2 id reused with other content).
+--          each record not stored anew (1 redelivered, 2 id reused with other content, 3
+--          late: the partition was finalized).
+--
+-- At the close (ingest.lua, close_state): once every grouped offset below the partition's
+-- close offset is handled, every group still buffering is released whatever its size or
+-- wait, then the pool leaves (finish_close); group state, which holds true values, then
+-- expires after the closed retention.
 --
 -- Keys: :seen and :off (ingest.lua); :rec id -> msgpack {arrival, public, group, value,
 -- perturbed}; :gq group -> arrival of its oldest buffered record; :g:<group>:buf
@@ -33,18 +41,22 @@ local now, max_wait, release_size = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumb
 local budget_mode, fixed_budget = ARGV[4], tonumber(ARGV[5])
 local p, m, lambda, delta = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
 local level, ttl = tonumber(ARGV[10]), tonumber(ARGV[11])
-local n = tonumber(ARGV[12])
+local through, floor, retention = tonumber(ARGV[12]), tonumber(ARGV[13]), tonumber(ARGV[14])
+local n = tonumber(ARGV[15])
 local k_rec, k_queue, k_gstat = base .. ':rec', base .. ':gq', base .. ':gstat'
 local k_pool, k_stats = base .. ':pool', base .. ':stats'
 
-open_dedup(base, n, 12)
+open_dedup(base, n, 15, through, true)
+local close_offset, finalized = close_state(base, 'grouped')
 local touched, added = {}, 0
 for r = 1, n do
   local id, bucket, key, digest, public, group, value, perturbed, offset =
-    fields_of(ARGV[12 + r], 5)
+    fields_of(ARGV[15 + r], 5)
   local fresh = first_seen(r, bucket, key, digest, offset)
   -- HSETNX: an id stored twice would be buffered and released twice.
-  if fresh and redis.call('HSETNX', k_rec, id, cmsgpack.pack({now, public, group, value,
+  if fresh and finalized then
+    refuse_late(r)
+  elseif fresh and redis.call('HSETNX', k_rec, id, cmsgpack.pack({now, public, group, value,
       perturbed})) == 0 then
     status[#status + 1] = r
     status[#status + 1] = 1
@@ -157,8 +169,23 @@ for group in pairs(touched) do
     release(group)
   end
 end
-for _, group in ipairs(redis.call('ZRANGEBYSCORE', k_queue, '-inf', now - max_wait)) do
+-- At the close no record arrives any more: every group still buffering is released.
+local final = finalizing(close_offset, finalized)
+for _, group in ipairs(redis.call('ZRANGEBYSCORE', k_queue, '-inf', final and '+inf' or now - max_wait)) do
   release(group)
+end
+if final then
+  local state = {k_gstat}
+  for _, field in ipairs(redis.call('HKEYS', k_gstat)) do
+    local group = string.match(field, '^(.*)|total$')
+    if group then
+      local g = base .. ':g:' .. group
+      state[#state + 1] = g .. ':s'
+      state[#state + 1] = g .. ':tv'
+      for v = 0, m - 1 do state[#state + 1] = g .. ':tr:' .. v end
+    end
+  end
+  finish_close(base, floor, retention, state)
 end
 
 -- Group state (trials, their values, counts) never expires: a group that started over

@@ -6,15 +6,18 @@
 --          extends it, so one Redis Cluster hash slot holds them all.
 -- ARGV[1]  the step:
 --
--- "ingest" now_ms, window (records), max_window_wait (ms), record ttl (ms, 0: none), n,
---          then one argument per record: id (32 hex digits), fingerprint (ingest.lua),
---          then "public codes|sensitive codes|raw offset".
+-- "ingest" now_ms, window (records), max_window_wait (ms), record ttl (ms, 0: none),
+--          through (the highest raw offset handled, ingest.lua), closed retention (ms), n,
+--          then one argument per record: id (32 hex digits), then "public
+--          codes|sensitive codes|raw offset".
 --          Stores the new records idempotently in the open window; the open window
 --          closes when it is full or, at the start of a call (a tick has no records),
---          when its first record came max_window_wait ago.
+--          when its first record came max_window_wait ago, or at the stream's close,
+--          once every raw offset below the partition's close offset is handled.
 --          Returns the records buffered (open and closed windows), the closed windows
 --          waiting, then position and status of each record not stored anew (1
---          redelivered, 2 id reused with other content), as the other ingest scripts.
+--          redelivered, 2 id reused with other content, 3 late: the partition was
+--          finalized), as the other ingest scripts.
 -- "stage"  window number, output: keep the window's output (messages under their
 --          tokens) unless one is kept already. Returns 1 if this output was kept, the
 --          output kept before if there was one, nil if the window is published already.
@@ -23,7 +26,7 @@
 --          was nothing to send), so drop the window's records and output and count it.
 --          Returns 1, or 0 if it was finished before (and counts nothing again).
 --
--- Keys: :seen and :off (dedup, ingest.lua); :open id -> "public|sensitive" of the open
+-- Keys: :off (dedup, ingest.lua); :open id -> "public|sensitive" of the open
 -- window; :w:<number> the same for a closed window; :wq closed windows waiting for
 -- publication (member and score: the window number); :wout:<number> the staged output;
 -- :stats counters (ingested, redelivered, replayed, conflicts, rejected, windows (the
@@ -69,9 +72,11 @@ end
 
 assert(step == 'ingest', 'unknown step')
 local now, size, max_wait = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local ttl, n = tonumber(ARGV[5]), tonumber(ARGV[6])
+local ttl, through, retention = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local n = tonumber(ARGV[8])
 
-open_dedup(base, n, 6)
+open_dedup(base, n, 8, through, false)
+local close_offset, finalized = close_state(base, 'raw')
 local count = redis.call('HLEN', k_open)
 local opened = tonumber(redis.call('HGET', k_stats, 'opened') or now)
 
@@ -91,8 +96,11 @@ end
 
 local added = 0
 for r = 1, n do
-  local id, bucket, key, digest, public, sensitive, offset = fields_of(ARGV[6 + r], 3)
-  if first_seen(r, bucket, key, digest, offset) then
+  local id, bucket, key, digest, public, sensitive, offset = fields_of(ARGV[8 + r], 3)
+  local fresh = first_seen(r, bucket, key, digest, offset)
+  if fresh and finalized then
+    refuse_late(r)
+  elseif fresh then
     -- HSETNX: an id stored twice would be published twice.
     if redis.call('HSETNX', k_open, id, public .. '|' .. sensitive) == 1 then
       if count == 0 then
@@ -109,6 +117,13 @@ for r = 1, n do
       redelivered = redelivered + 1
     end
   end
+end
+
+-- At the close the open window closes, whatever its size: published whole, or suppressed
+-- below min_window as any partial window.
+if finalizing(close_offset, finalized) then
+  if count > 0 then close('closed_wait') end
+  finish_close(base, -1, retention, {})
 end
 
 local queued = redis.call('ZRANGE', k_queue, 0, -1)
