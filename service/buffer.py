@@ -31,6 +31,7 @@ gauges and aggregates, never a record; `acl_rules` enforces it in Redis.
 
 from __future__ import annotations
 
+import json
 import secrets
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import suppress
@@ -76,10 +77,16 @@ _ACL_COMMANDS = (
 _ACL_CLUSTER_COMMANDS = " +cluster|slots +command"
 _ACL_REPLICA_COMMANDS = " +wait"
 ROLES = ("worker", "consumer")
-# Keys of a partition the consumer may read: counters and gauges, suppression and delay
-# histograms, the adversary test's tally of true and published cells, personal group
-# aggregates. Never records, buckets, the pool, in-flight entries or fingerprints.
-CONSUMER_READS = ("stats", "waiting", "sup", "delay", "truth:*", "gstat", "close")
+# Keys of a partition the consumer may read: counters and gauges, the delay histogram and
+# the close's state. Never a record, a bucket, the pool, an in-flight entry, a
+# fingerprint, nor a tally or aggregate of true values (the truth tally, personal group
+# counts, suppression per value): the privacy tests that need those run in the worker
+# (`service.auditor`), and the consumer reads their verdicts.
+CONSUMER_READS = ("stats", "waiting", "delay", "close")
+# Commands the consumer may not run though they read: they list or count key names, which
+# say which personal groups hold trials of which values (KEYS is dangerous already; INFO,
+# whose keyspace section counts keys, is never granted to it).
+CONSUMER_DENIED = "-scan -randomkey -dbsize"
 
 
 def acl_rules(config: StreamConfig, role: str) -> str:
@@ -90,13 +97,16 @@ def acl_rules(config: StreamConfig, role: str) -> str:
     commands = _ACL_COMMANDS + (_ACL_CLUSTER_COMMANDS if config.redis_cluster else "")
     commands += _ACL_REPLICA_COMMANDS if config.redis_replica_acks else ""
     if role == "worker":
-        return f"reset on resetchannels ~splu:{{{stream}:* ~splu:{{{stream}}}:* {commands}"
+        # INFO: the server's memory, which the worker's audit reports (`service.auditor`).
+        keys = f"~splu:{{{stream}:* ~splu:{{{stream}}}:*"
+        return f"reset on resetchannels {keys} {commands} +info"
     reads = " ".join(f"%R~splu:{{{stream}:*}}:{key}" for key in CONSUMER_READS)
-    # Its own counts, the pause flag it raises, and the server's memory use (INFO); no
-    # SCAN, whose key names would show which groups and holes a partition has.
-    # "consumer*": its shards, and the place of an earlier version's counts, to refuse them.
-    own = f"~splu:{{{stream}:consumer* ~splu:{{{stream}}}:paused %R~splu:{{{stream}}}:close"
-    return f"reset on resetchannels {reads} {own} {commands} +info -scan"
+    # Its own counts ("consumer*": its shards, and the place of an earlier version's counts,
+    # to refuse them), and what the worker tells it: the pause flag, the close, the audit.
+    own = f"~splu:{{{stream}:consumer*" + "".join(
+        f" %R~splu:{{{stream}}}:{key}" for key in ("paused", "close", "audit")
+    )
+    return f"reset on resetchannels {reads} {own} {commands} {CONSUMER_DENIED}"
 
 
 def connect(config: StreamConfig) -> aioredis.Redis:
@@ -270,11 +280,11 @@ class PoolEntry:
 
 class BufferState:
     """What the consumer and operators may read of a stream's buffers: counters, gauges,
-    the delay histogram, suppression, personal group aggregates and the truth tally.
+    the delay histogram, the close, and the audit's verdicts (`service.auditor`).
 
-    Needs no service key and reads no record (`CONSUMER_READS`); nothing here changes
-    what gets published, except the stream-wide pause flag a failed privacy test raises
-    (fail closed).
+    Needs no service key and reads no record nor anything computed from true values
+    (`CONSUMER_READS`); nothing here changes what gets published, except the stream-wide
+    pause flag, which the audit raises when a privacy test fails (fail closed).
     """
 
     def __init__(self, client: aioredis.Redis, config: StreamConfig) -> None:
@@ -300,6 +310,17 @@ class BufferState:
     @property
     def pause_key(self) -> str:
         return f"splu:{{{self.config.name}}}:paused"
+
+    @property
+    def audit_key(self) -> str:
+        """The last audit's publishable record (`service.auditor`)."""
+        return f"splu:{{{self.config.name}}}:audit"
+
+    async def audit(self) -> dict[str, Any] | None:
+        """The last audit: its time, the tests' verdicts and publishable numbers, and the
+        server's memory; None before the first."""
+        record = await self.client.get(self.audit_key)
+        return None if record is None else json.loads(record)
 
     async def paused(self) -> str | None:
         """Why publishing is paused, or None."""
@@ -366,48 +387,6 @@ class BufferState:
             if closed and closed.get(partition):
                 await self.client.hincrby(key, "rejected_closed", closed[partition])
 
-    async def suppressed(self) -> dict[tuple[str, str], int]:
-        """Decoy records suppressed for waiting past max_wait, per (attribute, value)."""
-        attributes = self.config.schema.sensitive
-        out: dict[tuple[str, str], int] = {}
-        for partition in range(self.config.partitions):
-            counts = await self.client.hgetall(f"{self.prefix(partition)}:sup")
-            for field, count in counts.items():
-                position, _, code = field.decode().partition(":")
-                attribute = attributes[int(position) - 1]
-                name = (attribute.name, attribute.domain[int(code)])
-                out[name] = out.get(name, 0) + int(count)
-        return out
-
-    async def truth(self) -> tuple[dict[bytes, int], dict[bytes, int]]:
-        """The adversary test's tallies of the records the broker acknowledged in the last
-        one to two `reports.truth_retention` periods, summed over partitions: true cells
-        and published cells ("public codes|sensitive codes"), the same records in both.
-        Producer-side only: the first holds true values.
-
-        Redis keeps one tally of "public|published|true" cells (acknowledge.lua): both
-        sides of a record in one cell, counted once. A cell of two fields was written by
-        a worker before that, in a tally of true cells whose published side is elsewhere:
-        left out, so the two sides still count the same records."""
-        true: dict[bytes, int] = {}
-        shown: dict[bytes, int] = {}
-        for partition in [*range(self.config.partitions), FINAL_POOL]:
-            prefix = self.prefix(partition)
-            epoch = await self.client.hget(f"{prefix}:stats", "truth_epoch")
-            if epoch is None:
-                continue
-            for number in (int(epoch) - 1, int(epoch)):
-                cells = await self.client.hgetall(f"{prefix}:truth:{number}")
-                for cell, count in cells.items():
-                    fields = cell.split(b"|")
-                    if len(fields) != 3:
-                        continue
-                    public, published, true_codes = fields
-                    true_cell, shown_cell = public + b"|" + true_codes, public + b"|" + published
-                    true[true_cell] = true.get(true_cell, 0) + int(count)
-                    shown[shown_cell] = shown.get(shown_cell, 0) + int(count)
-        return true, shown
-
     async def delays(self, partitions: Iterable[int] | None = None) -> dict[str, int]:
         """The emission-delay histogram summed over `partitions` (default: all of the
         stream's, and its final pool): non-cumulative counts per upper bound in ms (and
@@ -420,36 +399,6 @@ class BufferState:
             ).items():
                 out[field.decode()] = out.get(field.decode(), 0) + int(count)
         return out
-
-    async def personal_groups(self) -> dict[str, dict[str, int]]:
-        """Each personal group's aggregates summed over partitions: total, trials, c:<v>."""
-        out: dict[str, dict[str, int]] = {}
-        for partition in range(self.config.partitions):
-            fields = await self.client.hgetall(f"{self.prefix(partition)}:gstat")
-            for field, value in fields.items():
-                group, _, name = field.decode().partition("|")
-                merged = out.setdefault(group, {})
-                merged[name] = merged.get(name, 0) + int(value)
-        return out
-
-    async def _memory_info(self) -> list[dict[str, Any]]:
-        """INFO memory of the Redis server, or of each master of a cluster."""
-        if isinstance(self.client, aioredis.RedisCluster):
-            nodes = await self.client.info("memory", target_nodes=aioredis.RedisCluster.PRIMARIES)
-            return list(nodes.values())
-        return [await self.client.info("memory")]
-
-    async def memory(self) -> int:
-        """Bytes the Redis server uses (all streams share it); in a cluster, its masters."""
-        return sum(int(info["used_memory"]) for info in await self._memory_info())
-
-    async def memory_limit(self) -> int:
-        """Bytes the Redis server may use: its maxmemory or, when it sets none, the host's
-        memory (a container's limit is not visible to Redis); in a cluster, its masters'."""
-        return sum(
-            int(info["maxmemory"]) or int(info["total_system_memory"])
-            for info in await self._memory_info()
-        )
 
 
 class StreamBuffer(BufferState):

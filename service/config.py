@@ -27,7 +27,7 @@
     buffer_cap = 100000          # records per partition (waiting and pooled) before
                                  # consumption pauses; at least twice mixing_pool
     report_interval = 30.0       # seconds between privacy reports
-    batch_size = 2000            # raw records per batch
+    batch_size = 2000            # raw records per batch (at most 5,000)
     batch_wait = 0.2             # seconds to wait for a batch to fill
     record_ttl = 86400.0         # optional: raw buffered records (not yet randomized) expire
                                  # this long after a worker last touched their partition;
@@ -97,6 +97,7 @@
                                  # in the last one to two such periods; the exact tallies
                                  # it needs are dropped after that
     fail_closed = ["adversary"]  # tests whose failure pauses publishing until they pass again
+                                 # (default: adversary; personal: budget and adversary)
     port = 6066                  # the consumer's web port
     queries = [{where = {sex = "Male"}, value = {occupation = "Craft-repair"}}]  # standing
 
@@ -183,6 +184,13 @@ class WindowedSettings:
 
 
 TESTS = ("eligibility", "guarantees", "budget", "adversary", "dp_audit")
+# The tests whose failure pauses publishing unless the config says otherwise: those that
+# catch a leak as it happens (small counts reconstructible, a group over its trials). A
+# windowed stream's tests read published data only and never fail closed.
+FAIL_CLOSED = {"decoy": ("adversary",), "personal": ("budget", "adversary"), "windowed": ()}
+# Raw records per batch at most: one ingest call's arguments stay well below the size
+# (1 MB) from which a server's command log would keep them.
+MAX_BATCH_SIZE = 5000
 
 
 @dataclass(frozen=True)
@@ -426,7 +434,7 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
         "small_remainder": stream.text("small_remainder", "suppress", choices=SMALL_REMAINDER),
         "closed_retention": stream.number("closed_retention", 86400.0),
         "report_interval": stream.number("report_interval", 30.0),
-        "batch_size": stream.integer("batch_size", 2000),
+        "batch_size": stream.integer("batch_size", 2000, maximum=MAX_BATCH_SIZE),
         "batch_wait": stream.number("batch_wait", 0.2),
         "record_ttl": stream.number("record_ttl") if stream.get("record_ttl") else None,
     }
@@ -576,7 +584,7 @@ def _report_settings(
     dp_epsilon = table.get("dp_epsilon")
     if dp_epsilon is not None:
         dp_epsilon = table.number("dp_epsilon")
-    fail_closed = table.get("fail_closed", [])
+    fail_closed = table.get("fail_closed", list(FAIL_CLOSED[mechanism]))
     if not isinstance(fail_closed, list) or not all(t in TESTS for t in fail_closed):
         raise table.fail("fail_closed", f"must be a list of test names from {', '.join(TESTS)}")
     queries = table.get("queries", [])
@@ -603,7 +611,7 @@ def _report_settings(
     inapplicable = {
         "decoy": ("budget",),
         "personal": ("eligibility", "guarantees"),
-        # The consumer's privacy tests are written for decoy and personal groups.
+        # The privacy tests that fail closed are written for decoy and personal groups.
         "windowed": TESTS,
     }
     for test in settings.fail_closed:

@@ -32,6 +32,7 @@ of Redis growing without bound, also while publishing is paused.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import zlib
@@ -54,6 +55,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from service.auditor import Auditor, publishable
 from service.buffer import FINAL_POOL, BufferState, ReplicationError, StreamBuffer, connect
 from service.config import StreamConfig
 from service.ingest import PreparedBatch, Preparer, RawMessage, Rejected
@@ -738,6 +740,7 @@ def create_app(
     buffer = StreamBuffer(client, config, key)
     lifecycle = Lifecycle(client, config)
     closer = Closer(config, lifecycle)
+    auditor = Auditor(client, config)
     emitter = Emitter(config, buffer, publisher, preparer)
     pause = PauseWatch(buffer)
 
@@ -783,8 +786,28 @@ def create_app(
                 log.warning("partition %d: tick failed (%s)", partition, describe(err))
         await close_step(closer, assigned_partitions(app, raw), assigned_partitions(app, buffered))
 
+    @app.timer(interval=config.report_interval)
+    async def audit() -> None:
+        # One worker runs the privacy tests: the owner of partition 0.
+        if 0 in assigned_partitions(app, buffered):
+            await run_audit(auditor)
+
     app.splu_buffer = buffer  # type: ignore[attr-defined]
     return app
+
+
+async def run_audit(auditor: Auditor) -> None:
+    """The privacy tests of a decoy or personal stream (`service.auditor`); an outage waits
+    for the next round. A failed test is logged with its publishable numbers only."""
+    try:
+        results = await auditor.audit()
+    except TRANSIENT as err:
+        log.warning("the privacy tests failed to run (%s)", describe(err))
+        return
+    for result in results:
+        if not result.passed:
+            numbers = publishable(result).numbers
+            log.warning("privacy test %s failed: %s", result.test, json.dumps(numbers))
 
 
 async def close_step(closer: Closer, raw: set[int], buffered: set[int]) -> None:

@@ -50,12 +50,7 @@ from service.metrics import delay_histogram, difference, histogram_quantile, ren
 from service.privacy_tests import (
     NotApplicable,
     TestResult,
-    adversary,
-    budget,
-    dp_audit,
-    eligibility,
     guarantee_curve,
-    guarantees,
     windowed_tests,
 )
 from service.publication import Answers, answer_queries
@@ -86,7 +81,6 @@ SAMPLE_INTERVAL = 2.0  # seconds between history samples for the live page
 HISTORY = 600  # samples kept: 20 minutes
 # Published records per fetch: counting one is a Lua call and a commit, whatever its size.
 COUNT_FETCH = 10_000
-PAUSE_PREFIX = "privacy test failed: "
 PAIR_SEPARATOR = re.compile(r",(?=[^,:]+:)")
 # How each windowed mechanism's estimates are made (`service.running_counts.PublishedWindows`).
 WINDOWED_METHODS = {
@@ -116,7 +110,7 @@ class Consumer:
         leads: Callable[[], bool],
     ) -> None:
         """`leads()` tells whether this consumer is the one of its group that publishes the
-        reports and raises or clears the pause flag; every consumer runs the tests."""
+        reports; every consumer shows the tests."""
         self.config = config
         self.leads = leads
         self.counts = RunningCounts(client, config)
@@ -213,50 +207,29 @@ class Consumer:
             return "published count (the MLE), exact binomial interval"
         return "closed-form inversion of the decoy transition model (corrected matrix)"
 
-    def run_tests(
-        self, true: dict[bytes, int], shown: dict[bytes, int], suppressed: int, groups: dict
-    ) -> list[TestResult]:
-        config, reconstruction, codec = self.config, self.reconstruction, self.counts.codec
-        assert isinstance(codec, CellCodec)
-        results = []
-        if config.decoy is not None and isinstance(reconstruction, Reconstruction):
-            results.append(eligibility(config, reconstruction.cells, suppressed))
-        if config.decoy is not None:
-            results.append(guarantees(config))
-        else:
-            results.append(budget(config, groups))
-        truth = codec.cells(true)
-        if truth.total:
-            # Scored on the records acknowledged in the truth tally's retention period, as
-            # an adversary holding exactly those published records would reconstruct them.
-            published = stream_reconstruction(config, codec.cells(shown))
-            results.append(adversary(config, published, truth))
-            if config.reports.dp_epsilon is not None and len(config.sensitive) == 1:
-                results.append(dp_audit(config, truth))
-        return results
-
     async def report(self) -> None:
-        """One round of privacy tests and standing queries; published and acted on by the
-        leading consumer only, so N consumers send one report and agree on the pause."""
+        """One round of privacy tests and standing queries; published by the leading
+        consumer only, so N consumers send one report. A decoy or personal stream's tests
+        need true values and run in the worker (`service.auditor`): this shows the last
+        audit's verdicts and publishable numbers, and the worker raises and clears the
+        pause. A windowed stream's tests read the published side alone and run here."""
         await self.refresh()
         skipped: list[NotApplicable] = []
         if self.config.windowed is not None:
             results, skipped = windowed_tests(self.config, self.windows)
+            tested_at: float | None = time.time()
         else:
-            true, shown = await self.buffer.truth()
-            totals = await self.buffer.totals()
-            # Records a record TTL removed count as suppressed: neither is published.
-            suppressed = totals["suppressed"] + totals["expired"]
-            groups = await self.buffer.personal_groups() if self.config.personal is not None else {}
-            results = await asyncio.to_thread(self.run_tests, true, shown, suppressed, groups)
+            audit = await self.buffer.audit()
+            results = [TestResult(**t) for t in audit["tests"]] if audit else []
+            tested_at = audit["time"] if audit else None
         standing = self.answer_standing()
         now = time.time()
-        self.tests, self.tested_at, self.standing = results, now, standing
+        self.tests, self.tested_at, self.standing = results, tested_at, standing
         self.not_applicable = skipped
         if not self.leads():
             return
         messages = [
-            {"kind": "test", "stream": self.config.name, "time": now, **r.to_json()}
+            {"kind": "test", "stream": self.config.name, "time": tested_at, **r.to_json()}
             for r in [*results, *skipped]
         ] + [{"kind": "standing", "stream": self.config.name, "time": now, "queries": standing}]
         if (close := await close_status(self.buffer))["state"] != "open":
@@ -267,16 +240,6 @@ class Consumer:
             self.config.topics["reports"],
             [(None, json.dumps(m).encode()) for m in messages],
         )
-        failed = [r for r in results if not r.passed]
-        for result in failed:
-            log.warning("privacy test %s failed: %s", result.test, json.dumps(result.numbers))
-        closing = [r.test for r in failed if r.test in self.config.reports.fail_closed]
-        paused = await self.buffer.paused()
-        if closing:
-            await self.buffer.pause(PAUSE_PREFIX + ", ".join(closing))
-        elif paused is not None and paused.startswith(PAUSE_PREFIX):
-            log.warning("privacy tests pass again; resuming publication")
-            await self.buffer.pause(None)
 
     def answer_standing(self) -> list[dict[str, Any]]:
         if self.reconstruction is None:
@@ -300,8 +263,10 @@ class Consumer:
             # in windows): what is neither published nor suppressed waits in a window.
             totals["pending"], totals["expired"] = totals.get("expired", 0), 0
         totals["buffer_cap"] = self.config.buffer_cap
-        totals["redis_memory_bytes"] = await self.buffer.memory()
-        totals["redis_memory_limit_bytes"] = await self.buffer.memory_limit()
+        # The worker's audit reads the server's memory: INFO would also count its keys.
+        audit = await self.buffer.audit() or {}
+        totals["redis_memory_bytes"] = audit.get("redis_memory_bytes", 0)
+        totals["redis_memory_limit_bytes"] = audit.get("redis_memory_limit_bytes", 0)
         return totals, await self.buffer.delays()
 
     async def sample(self) -> None:

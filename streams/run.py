@@ -207,9 +207,11 @@ async def _stream(
                     if (now := (totals.get("ingested", 0), done, counted)) != progress:
                         progress, moved = now, time.monotonic()
                     elif time.monotonic() - moved > TIMEOUT:
+                        paused = await buffer.paused()
                         raise RunError(
                             f"nothing moved for {TIMEOUT:.0f} s: {totals.get('ingested', 0):,} "
                             f"records in, {done:,} settled, {counted:,} counted"
+                            + (f"; publishing is paused ({paused})" if paused else "")
                         )
         finally:
             if not producing.done():

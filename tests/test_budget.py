@@ -24,7 +24,8 @@ import redis.asyncio as aioredis
 from harness import RECORDS, TIMEOUT, GroupedHops, Harness, adult_rows
 from scipy import stats
 
-from service.buffer import BufferState, StreamBuffer, lua_script
+from service.auditor import TrustedState
+from service.buffer import StreamBuffer, lua_script
 from service.config import StreamConfig, parse_config
 from service.guarantees import (
     budget_epoch,
@@ -90,7 +91,7 @@ async def run_lua(
         now += 100
     for partition in range(config.partitions):
         await buffer.ingest(partition, None, now + int(config.max_wait * 1000))
-    groups = await BufferState(client, config).personal_groups()
+    groups = await TrustedState(client, config).personal_groups()
     await client.aclose()
     return groups
 
@@ -203,7 +204,7 @@ def worker_groups(harness: Harness, rows: list[tuple[bytes, bytes]]) -> dict:
             while time.monotonic() < deadline:
                 totals = await harness.totals(client)
                 if totals.get("ingested", 0) == len(rows) and totals["pending"] == 0:
-                    return await BufferState(client, config).personal_groups()
+                    return await TrustedState(client, config).personal_groups()
                 await asyncio.sleep(0.5)
             raise TimeoutError(f"{len(rows)} records sent, worker at {totals}")
         finally:

@@ -25,6 +25,7 @@ from harness import GroupedHops
 from scipy.stats import norm as stats_norm
 from virtual_worker import VirtualWorker
 
+from service.auditor import TrustedState
 from service.buffer import PoolEntry, StreamBuffer
 from service.config import StreamConfig, parse_config
 from service.guarantees import trial_limit
@@ -268,7 +269,7 @@ def test_values_over_their_share_wait_then_are_suppressed(servers):
         await buffer.ingest(0, None, T0 + 9_000)
         still = await buffer.stats(0)
         await buffer.ingest(0, None, T0 + 10_001)
-        after, suppressed = await buffer.stats(0), await buffer.suppressed()
+        after, suppressed = await buffer.stats(0), await TrustedState(client, config).suppressed()
         await client.aclose()
         return len(messages), waiting, still, after, suppressed
 
@@ -423,15 +424,15 @@ def test_adversary_truth_counts_published_records_only_and_expires(servers, exam
         client = aioredis.from_url(servers.redis_url)
         buffer, preparer = StreamBuffer(client, config, KEY), Preparer(config, KEY)
         await ingest_all(buffer, preparer, adult_messages(config, 1000), T0)
-        pooled = await buffer.truth()
+        pooled = await TrustedState(client, config).truth()
         taken = await buffer.take(0, T0, 10_000)
-        held = await buffer.truth()
+        held = await TrustedState(client, config).truth()
         half = len(taken) // 2
         await buffer.acknowledge(0, [token for token, _ in taken[:half]], T0)
-        first = await buffer.truth()
+        first = await TrustedState(client, config).truth()
         later = T0 + 2 * retention  # two periods on: the first tallies are dropped
         await buffer.acknowledge(0, [token for token, _ in taken[half:]], later)
-        second = await buffer.truth()
+        second = await TrustedState(client, config).truth()
         expiry = [await client.pttl(k) async for k in client.scan_iter(
                   match=f"{buffer.prefix(0)}:truth:*")]  # fmt: skip
         await client.aclose()
@@ -464,7 +465,7 @@ def test_truth_leaves_out_cells_of_the_tally_that_had_no_published_side(servers)
         prefix = buffer.prefix(0)
         await client.hset(f"{prefix}:stats", "truth_epoch", 7)
         await client.hset(f"{prefix}:truth:7", mapping={b"1,2|3": 4, b"1,2|5|3": 2})
-        tallies = await buffer.truth()
+        tallies = await TrustedState(client, config).truth()
         await client.aclose()
         return tallies
 

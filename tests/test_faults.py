@@ -49,7 +49,8 @@ from redis.exceptions import RedisError
 
 from deploy.embedded import HOST, RedisServer, spawn_worker
 from service import client as consumer_client
-from service.buffer import BufferState, PoolEntry
+from service.auditor import TrustedState
+from service.buffer import PoolEntry
 from service.config import StreamConfig
 from service.guarantees import trial_limit
 from service.ingest import Preparer, RawMessage
@@ -311,7 +312,7 @@ async def consumer_state(harness: Harness, published: int) -> tuple[dict, dict, 
             if stats.get("records", 0) >= published or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.2)
-        suppressed = await BufferState(client, harness.config).suppressed()
+        suppressed = await TrustedState(client, harness.config).suppressed()
         return stats, await counts.tally(), suppressed
     finally:
         await client.aclose()

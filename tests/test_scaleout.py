@@ -19,6 +19,8 @@ below its floor, and a worker is SIGKILLed again during the close. Then:
   its token's partition;
 - the consumers' counts, summed over their shards, equal the topic's distinct tokens;
 - both consumers answer /estimate alike, and as `splu query` does on the published rows;
+- on no node can the consumer's user list or count keys (RANDOMKEY, SCAN, KEYS, DBSIZE,
+  INFO, CLUSTER COUNTKEYSINSLOT and GETKEYSINSLOT);
 - /healthz and /readyz answer 200 on all five processes.
 
 A second test kills the master of a partition's slot on a cluster with replicas and fails
@@ -39,12 +41,14 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 from harness import RECORDS, Harness, adult_rows
+from redis.exceptions import NoPermissionError
 from test_consumer import BATCH_OPTIONS, random_queries, wait_for, write_published_csv
 
 from deploy.embedded import (
     EmbeddedServers,
     RedisCluster,
     free_port,
+    node_urls,
     service_user_envs,
     spawn_consumer,
     spawn_worker,
@@ -216,6 +220,32 @@ async def close_state(harness: Harness) -> dict:
         await redis.aclose()
 
 
+# Commands that list or count a node's keys, or a slot's.
+LISTING = (
+    ("RANDOMKEY",), ("SCAN", "0"), ("KEYS", "*"), ("DBSIZE",), ("INFO", "keyspace"),
+    ("CLUSTER", "COUNTKEYSINSLOT", "0"), ("CLUSTER", "GETKEYSINSLOT", "0", "10"),
+)  # fmt: skip
+
+
+async def listings(config, env: dict[str, str]) -> list[str]:  # type: ignore[no-untyped-def]
+    """The listing commands the consumer's user could run on some node of the cluster."""
+    allowed = []
+    for url in node_urls(config):
+        node = aioredis.from_url(
+            url, username=env["REDIS_USERNAME"], password=env[config.redis_password_env]
+        )
+        try:
+            for command in LISTING:
+                try:
+                    await node.execute_command(*command)
+                except NoPermissionError:
+                    continue
+                allowed.append(f"{' '.join(command)} on {url}")
+        finally:
+            await node.aclose()
+    return allowed
+
+
 def produce_in_background(harness: Harness, rate: float = RATE) -> threading.Thread:
     rows = adult_rows(harness.config)
     thread = threading.Thread(
@@ -243,6 +273,8 @@ def test_three_workers_and_two_consumers_on_a_redis_cluster_through_kills(
     asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
     fleet = Fleet(harness, tmp_path, WORKERS, CONSUMERS)
     try:
+        # On every node the consumer can neither list nor count keys (issue 30).
+        assert asyncio.run(listings(config, fleet.envs["consumer"])) == []
         producer = produce_in_background(harness)
         ingested = wait_for(
             lambda: (n := asyncio.run(totals(harness)).get("ingested", 0)) >= KILL_AT and n,

@@ -2,7 +2,9 @@
 
 One decoy stream runs on its own Redis server, the worker and the consumer each
 as a restricted ACL user (`service.buffer.acl_rules`), with log level info and
-a sensitive domain of unique marker labels. Then:
+a sensitive domain of unique marker labels. Mid-stream and at its end the consumer
+tries every key, as `tests/test_trust_boundary.py` does for a personal stream
+(`assert_the_boundary_holds`). Then:
 
 - both processes did their work with those users, and the users cannot run
   anything else (KEYS, FLUSHALL, CONFIG) or touch another stream's keys;
@@ -11,8 +13,9 @@ a sensitive domain of unique marker labels. Then:
 - the published topic carries only the schema's attributes under a token key,
   no headers;
 - the consumer (the web-facing process) cannot read a record, a pool or
-  in-flight entry or a fingerprint, only counters and aggregates; neither user
-  may MONITOR or read the SLOWLOG, and the server keeps no slow log;
+  in-flight entry, a fingerprint or an aggregate of true values, only counters
+  (`tests/test_trust_boundary.py` tries every key); neither user may MONITOR or
+  read the SLOWLOG, and the server keeps no slow log;
 - once everything is published, Redis holds no raw record: no record hash,
   pool or in-flight entry, only counters, aggregates, keyed fingerprints and the
   adversary test's tallies, which expire by themselves.
@@ -42,13 +45,13 @@ import tomli_w
 from aiokafka import AIOKafkaConsumer
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoPermissionError
+from test_trust_boundary import assert_the_boundary_holds, observe
 
 from deploy.embedded import RedisServer, free_port, service_user_envs, spawn_consumer, spawn_worker
 from service import client
 from service.buffer import BufferState, connect
 from service.config import ConfigError, load_config
 from service.table import open_sample
-from streams.produce import produce
 from streams.topics import create_topics
 
 pytestmark = pytest.mark.redis
@@ -143,7 +146,10 @@ def test_least_privilege_no_raw_values_in_logs_or_left_in_redis(servers, tmp_pat
     consumer = spawn_consumer(config_path, port, env["consumer"], logs["consumer"], loglevel="info")
     leaks = [f"leak{secrets.token_hex(6)}" for _ in range(20)]
     try:
-        asyncio.run(produce(config, iter(rows(config, markers, leaks)), rate=4000, progress=False))
+        # Mid-stream and at the end the consumer tries every key (tests/test_trust_boundary.py).
+        source = rows(config, markers, leaks)
+        observed = observe(config, redis_server.url, passwords["consumer"], port, source, 1500)
+        assert_the_boundary_holds(observed, config)
 
         async def settled() -> dict | None:
             admin = aioredis.from_url(redis_server.url)
@@ -192,9 +198,11 @@ def test_least_privilege_no_raw_values_in_logs_or_left_in_redis(servers, tmp_pat
                    ("ZRANGE", f"{prefix}:b:1:0", "0", "-1"), ("HLEN", f"{prefix}:rec"),
                    ("SCAN", "0"), ("EVAL", READ_RECORDS, "1", f"{prefix}:rec"))  # fmt: skip
         assert asyncio.run(forbidden("consumer", records)) == [c[0] for c in records]
-        aggregates = (("HGETALL", f"{prefix}:stats"), ("HGETALL", f"{prefix}:sup"),
-                      ("HGETALL", f"{prefix}:delay"), ("HGETALL", f"{prefix}:truth:1"))  # fmt: skip
+        aggregates = (("HGETALL", f"{prefix}:stats"), ("HGETALL", f"{prefix}:delay"))  # fmt: skip
         assert asyncio.run(forbidden("consumer", aggregates)) == []
+        # Aggregates of true values are the worker's (its audit): issue 30.
+        true_values = (("HGETALL", f"{prefix}:sup"), ("HGETALL", f"{prefix}:truth:1"))
+        assert asyncio.run(forbidden("consumer", true_values)) == ["HGETALL", "HGETALL"]
 
         async def slow_log() -> tuple[list, list]:
             admin = aioredis.from_url(redis_server.url)

@@ -2,7 +2,7 @@
 -- restarted worker re-sends them with the same tokens.
 --
 -- Each acknowledged record is counted, at this moment and not before, into the tally of
--- the consumer's adversary test, ':truth:<epoch>' (public codes|published codes|true
+-- the adversary test (service/auditor.py, in the worker), ':truth:<epoch>' (public codes|published codes|true
 -- sensitive codes), so it describes exactly the records published, however long a pause
 -- held others back. One cell holds both sides of a record: the test's true and published
 -- cells are its sums (service/buffer.py, BufferState.truth). An epoch lasts the retention

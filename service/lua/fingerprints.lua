@@ -16,23 +16,24 @@ end
 -- Load the buckets of the fingerprints starting at byte `at` of ARGV[first],
 -- ARGV[first + step], ... up to ARGV[last].
 function Fingerprints:load_args(first, last, step, at)
-  local wanted, order = {}, {}
-  for i = first, last, step do
-    local bucket = string.sub(ARGV[i], at, at + 1)
-    if not wanted[bucket] then
-      wanted[bucket] = true
-      order[#order + 1] = bucket
-    end
-  end
-  self:load(order)
+  local buckets = {}
+  for i = first, last, step do buckets[#buckets + 1] = string.sub(ARGV[i], at, at + 1) end
+  self:load_distinct(buckets)
 end
 
 -- Load the buckets of the fingerprints packed in `blob`, one every `stride` bytes, each
 -- starting with its bucket.
 function Fingerprints:load_packed(blob, stride)
+  local buckets = {}
+  for at = 1, #blob, stride do buckets[#buckets + 1] = string.sub(blob, at, at + 1) end
+  self:load_distinct(buckets)
+end
+
+-- Load each bucket of `buckets` once, however often it is named there.
+function Fingerprints:load_distinct(buckets)
   local wanted, order = {}, {}
-  for at = 1, #blob, stride do
-    local bucket = string.sub(blob, at, at + 1)
+  for i = 1, #buckets do
+    local bucket = buckets[i]
     if not wanted[bucket] then
       wanted[bucket] = true
       order[#order + 1] = bucket

@@ -30,8 +30,7 @@
 -- state (epoch, bound, frozen); :g:<group>:tr:<v> perturbed values of the trials of
 -- original value v; :g:<group>:tv values with trials; :gstat "<group>|total",
 -- "<group>|trials", "<group>|c:<v>" (true counts) and "<group>|frozen" (1 once its bound
--- failed): the aggregates the consumer's budget test reads, the only group state it may
--- read; :pool
+-- failed): the aggregates the budget test reads (service/auditor.py, in the worker); :pool
 -- entry -> time, an entry being "public|published|t, c or b (trial, copy, borrowed
 -- copy)|true value|arrival|id", of which the emitter publishes the first two fields;
 -- :stats counters and gauges.
