@@ -338,7 +338,8 @@ class BufferState:
         """Counters and gauges of one partition (or of the final pool): `pending` (records
         waiting for a group or release, of which `held` wait for a group-mate), `pool`,
         `in_flight`, `handoff` (a closed partition's remainder on its way to the final
-        pool), `expired`, and `below_floor`: the pool while it holds fewer than
+        pool), `undecodable` (raw batches holding the partition, `streams.undecodable`),
+        `expired`, and `below_floor`: the pool while it holds fewer than
         `stream.mixing_pool` records, which the mixing rule never releases alone (they wait
         for more records, or for the stream's close), and `settled`: published, suppressed
         or below the floor."""
@@ -350,7 +351,7 @@ class BufferState:
             pipe.hgetall(f"{prefix}:waiting")
             counters, waiting = await pipe.execute()
         out = {k.decode(): int(v) for k, v in (counters | waiting).items()}
-        for name in ("pending", "held", "pool", "in_flight", "handoff", *COUNTERS):
+        for name in ("pending", "held", "pool", "in_flight", "handoff", "undecodable", *COUNTERS):
             out.setdefault(name, 0)
         # Records a record TTL removed before they were published or suppressed.
         resolved = out.get("published", 0) + out.get("suppressed", 0)

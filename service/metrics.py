@@ -168,6 +168,11 @@ def worker_families(document: Mapping[str, Any]) -> Iterable[Metric]:
         ("splu_mixing_pool", "pool", "Records in the mixing pool."),
         ("splu_buffer_cap", "buffer_cap", "Waiting and pooled records before ingest pauses."),
         ("splu_in_flight", "in_flight", "Records sent but not yet acknowledged by the broker."),
+        (
+            "splu_undecodable_batches",
+            "undecodable",
+            "Raw batches the worker cannot decode, holding their partition.",
+        ),
     ):
         samples = [({"partition": p}, numbers.get(field, 0)) for p, numbers in partitions.items()]
         yield _family(gauge, name, help_text, stream, samples)

@@ -65,6 +65,7 @@ from service.prf import ServiceKey
 from service.schema import Rejection
 from streams.bulk import consume_in_bulk
 from streams.closing import Closer
+from streams.undecodable import HeldBatches
 
 log = logging.getLogger("splu.worker")
 
@@ -642,11 +643,13 @@ def add_ingest(
     raw: faust.TopicT,
     config: StreamConfig,
     intake: Intake,
+    held: HeldBatches,
     grouped: faust.TopicT | None = None,
 ) -> None:
     """The ingest agent every worker shares: each fetch of `raw` (and of `grouped`, a
-    personal stream's second hop) goes to `intake`, and the consumer is held while a
-    partition's buffer is at its cap."""
+    personal stream's second hop) goes to `intake`, the consumer is held while a
+    partition's buffer is at its cap, and a raw batch that cannot be decoded holds its
+    partition (`streams.undecodable`)."""
     raw_name = raw.get_topic_name()
     grouped_name = grouped.get_topic_name() if grouped is not None else None
     # A fetch is prepared as it comes, admitted once the fetch before it is (the screen
@@ -712,7 +715,8 @@ def add_ingest(
                 records = tick.pending + tick.pool
         stored.set_result(True)
 
-    consume_in_bulk(app, ingest, *(t for t in (raw, grouped) if t is not None))
+    topics = (t for t in (raw, grouped) if t is not None)
+    consume_in_bulk(app, ingest, *topics, undecodable=held.hold)
 
 
 def create_app(
@@ -757,7 +761,8 @@ def create_app(
             await publisher.send_all(topic, messages)
 
     intake = Intake(config, preparer, buffer, lifecycle, publisher, forward)
-    add_ingest(app, raw, config, intake, grouped)
+    held = HeldBatches(buffer, publisher.send_all)
+    add_ingest(app, raw, config, intake, held, grouped)
     add_health_pages(app, buffered, client, publisher)
     add_metrics_page(app, buffered, buffer)
 
@@ -785,6 +790,7 @@ def create_app(
             except TRANSIENT as err:
                 log.warning("partition %d: tick failed (%s)", partition, describe(err))
         await close_step(closer, assigned_partitions(app, raw), assigned_partitions(app, buffered))
+        await held_step(app, held, raw)
 
     @app.timer(interval=config.report_interval)
     async def audit() -> None:
@@ -808,6 +814,15 @@ async def run_audit(auditor: Auditor) -> None:
         if not result.passed:
             numbers = publishable(result).numbers
             log.warning("privacy test %s failed: %s", result.test, json.dumps(numbers))
+
+
+async def held_step(app: faust.App, held: HeldBatches, raw: faust.TopicT) -> None:
+    """The tick's step over undecodable batches (`streams.undecodable`); an outage waits
+    for the next."""
+    try:
+        await held.step(assigned_partitions(app, raw), app.consumer.skip_past)
+    except TRANSIENT as err:
+        log.warning("checking undecodable batches failed (%s)", describe(err))
 
 
 async def close_step(closer: Closer, raw: set[int], buffered: set[int]) -> None:

@@ -26,7 +26,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import faust
-from aiokafka import AIOKafkaConsumer
+from aiokafka import AIOKafkaConsumer, codec
+from aiokafka.consumer import fetcher as aiokafka_fetcher
 from aiokafka.structs import ConsumerRecord
 from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types import TP
@@ -47,6 +48,88 @@ FETCHES_IN_HAND = 2  # fetches handled at once, so that CPU and Redis work overl
 FETCH_MAX_WAIT_MS = 500  # the longest the broker holds a fetch that finds no records
 
 BulkHandler = Callable[[Mapping[TP, list[ConsumerRecord]]], Awaitable[Any]]
+# Told of a batch this process cannot decode: its partition, first and last offset, and why.
+UndecodableHandler = Callable[[TP, int, int, str], Awaitable[Any]]
+# The header of the record that stands for such a batch in a fetch (`GuardedRecords`).
+UNDECODABLE = "splu-undecodable"
+# Compression codecs by their code in a batch's attributes, and whether this process has
+# the library each needs (aiokafka's codec extras, from the project's dependencies).
+CODECS = {
+    1: ("gzip", codec.has_gzip), 2: ("snappy", codec.has_snappy), 3: ("lz4", codec.has_lz4),
+    4: ("zstd", codec.has_zstd),
+}  # fmt: skip
+
+
+def undecodable_reason(batch: Any) -> str | None:
+    """Why this process cannot decode a fetched record batch, or None if it can."""
+    # A message set of the old formats (v0, v1) keeps its codec privately.
+    compression = getattr(batch, "compression_type", None)
+    if compression is None:
+        compression = getattr(batch, "_compression_type", 0)
+    if compression:
+        name, available = CODECS.get(compression, (f"codec {compression:#04x}", lambda: False))
+        if not available():
+            return f"{name} compression, whose library this process lacks"
+    if not batch.validate_crc():
+        return "its CRC does not match its contents"
+    return None
+
+
+class _DecodableBatches:
+    """The record batches of one fetched partition, up to the first one this process
+    cannot decode, which is kept aside (`failure`)."""
+
+    def __init__(self, records: Any) -> None:
+        self._records = records
+        self._ahead: Any = None
+        self.failure: tuple[Any, str] | None = None
+
+    def has_next(self) -> bool:
+        if self._ahead is None and self.failure is None and self._records.has_next():
+            batch = self._records.next_batch()
+            reason = undecodable_reason(batch)
+            if reason is None:
+                self._ahead = batch
+            else:
+                self.failure = (batch, reason)
+        return self._ahead is not None
+
+    def next_batch(self) -> Any:
+        batch, self._ahead = self._ahead, None
+        return batch
+
+
+class GuardedRecords(aiokafka_fetcher.PartitionRecords):
+    """aiokafka's records of one fetched partition, which end at a batch this process
+    cannot decode (a codec whose library it lacks, a broken CRC) with one record standing
+    for the batch, header UNDECODABLE, instead of raising: the exception would end the
+    fetcher, and a restarted process would meet the same batch again, so one producer's
+    setting would stop the stream for good. The partition's position stays at the batch.
+    """
+
+    def _unpack_records(self):  # type: ignore[no-untyped-def]
+        batches = self._records = _DecodableBatches(self._records)
+        yield from super()._unpack_records()
+        if batches.failure is not None:
+            batch, reason = batches.failure
+            header = f"{batch.next_offset - 1} {reason}".encode()
+            yield ConsumerRecord(
+                self._tp.topic, self._tp.partition, batch.base_offset, -1, 0, None, None,
+                None, -1, -1, ((UNDECODABLE, header),),
+            )  # fmt: skip
+
+
+# aiokafka builds each fetched partition's records from this module's name.
+aiokafka_fetcher.PartitionRecords = GuardedRecords  # type: ignore[misc]
+
+
+def undecodable_batch(record: ConsumerRecord) -> tuple[int, int, str] | None:
+    """(first offset, last offset, reason) if `record` stands for an undecodable batch."""
+    for name, value in record.headers or ():
+        if name == UNDECODABLE:
+            last, _, reason = value.decode().partition(" ")
+            return record.offset, int(last), reason
+    return None
 
 
 class BulkConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
@@ -118,6 +201,7 @@ class BulkConsumer(faust_aiokafka.Consumer):
                     for tp, messages in records.items()
                     if messages and (active is None or tp in active)
                 }
+                batch = await self._hold_undecodable(batch)
                 if not batch:
                     continue
                 for tp, messages in batch.items():
@@ -127,6 +211,34 @@ class BulkConsumer(faust_aiokafka.Consumer):
         finally:
             for task, _ in handling:
                 task.cancel()
+
+    async def _hold_undecodable(
+        self, batch: dict[TP, list[ConsumerRecord]]
+    ) -> dict[TP, list[ConsumerRecord]]:
+        """The fetch without the records that stand for undecodable batches: each such
+        partition stops (paused, its position at the batch) and the transport's handler
+        is told, until `skip_past` or a process that can decode it goes on."""
+        out = {}
+        for tp, messages in batch.items():
+            held = undecodable_batch(messages[-1])
+            if held is not None:
+                messages = messages[:-1]
+                self.pause_partitions([tp])
+                log.error(
+                    "%s/%d: the batch at offsets %d..%d cannot be decoded (%s); the "
+                    "partition waits", tp.topic, tp.partition, *held,
+                )  # fmt: skip
+                report = self.transport.undecodable_handler  # type: ignore[attr-defined]
+                if report is not None:
+                    await report(tp, *held)
+            if messages:
+                out[tp] = messages
+        return out
+
+    async def skip_past(self, tp: TP, offset: int) -> None:
+        """Go on with a held partition from `offset`, past the batch it could not decode."""
+        await self.seek(tp, offset)
+        self.resume_partitions([tp])
 
 
 async def handled(handle: BulkHandler, batch: Mapping[TP, list[ConsumerRecord]]) -> Any:
@@ -142,17 +254,26 @@ async def handled(handle: BulkHandler, batch: Mapping[TP, list[ConsumerRecord]])
 class BulkTransport(faust_aiokafka.Transport):
     Consumer = BulkConsumer
 
-    def __init__(self, app: faust.App, handle: BulkHandler) -> None:
+    def __init__(
+        self, app: faust.App, handle: BulkHandler, undecodable: UndecodableHandler | None
+    ) -> None:
         super().__init__(app.conf.broker_consumer, app)
         self.bulk_handler = handle
+        self.undecodable_handler = undecodable
 
 
-def consume_in_bulk(app: faust.App, handle: BulkHandler, *topics: faust.TopicT) -> None:
+def consume_in_bulk(
+    app: faust.App,
+    handle: BulkHandler,
+    *topics: faust.TopicT,
+    undecodable: UndecodableHandler | None = None,
+) -> None:
     """Subscribe `app` to `topics` and hand every fetch of them to `handle`, partition by
     partition (a fetch may hold records of each topic), committing each fetch once the
-    handler returned. The app's only topics."""
+    handler returned. The app's only topics. A batch that cannot be decoded holds its
+    partition and goes to `undecodable` (`BulkConsumer._hold_undecodable`)."""
     if app._consumer is not None:  # type: ignore[attr-defined]
         raise RuntimeError("consume_in_bulk must come before the app's consumer exists")
-    app.transport = BulkTransport(app, handle)
+    app.transport = BulkTransport(app, handle, undecodable)
     for topic in topics:
         app.topics.add(topic)

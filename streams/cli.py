@@ -1,5 +1,6 @@
 """The ``splu`` entry point: the batch commands of `service/cli.py` and the stream's own,
-``splu demo``, ``run``, ``close``, ``up``, ``worker``, ``consumer`` and ``produce``.
+``splu demo``, ``run``, ``close``, ``skip``, ``up``, ``worker``, ``consumer`` and
+``produce``.
 
 Each stream command imports its module when it runs: the batch commands start without Kafka
 and Faust, and start fast.
@@ -111,6 +112,20 @@ def command_close(args: argparse.Namespace) -> int:
     return 0
 
 
+def command_skip(args: argparse.Namespace) -> int:
+    from streams.undecodable import request_skip
+
+    config = load_config(args.config)
+    entry = asyncio.run(request_skip(config, args.partition, args.offset))
+    log(
+        f"splu skip: the worker owning partition {args.partition} of {config.topics['raw']} "
+        f"reads on past offsets {args.offset:,}..{entry['last']:,} within a second; the "
+        f"records there ({entry['reason']}) are not accepted, and the skip is reported on "
+        f"{config.topics['rejected']}"
+    )
+    return 0
+
+
 def command_up(args: argparse.Namespace) -> int:
     from streams.up import run_up
 
@@ -214,6 +229,28 @@ def register(commands: Commands) -> None:
         help="give up waiting after this long without progress (default 300; 0: never)",
     )  # fmt: skip
     close.set_defaults(run=command_close)
+
+    skip = commands.add_parser(
+        "skip", formatter_class=FORMATTER,
+        help="read on past a raw batch the worker cannot decode (it holds its partition)",
+        description=(
+            "A raw batch the worker cannot decode (a compression codec whose library it\n"
+            "lacks, a corrupt batch) holds its partition: it is reported on\n"
+            "<stream>.rejected with its partition and offsets, and the SpluUndecodableBatch\n"
+            "alert fires. Either run a worker that can decode it, or skip it: the worker\n"
+            "owning the partition reads on past the batch, whose records are then never\n"
+            "accepted, and reports the skip on <stream>.rejected\n"
+            "(docs/operations.md, SpluUndecodableBatch).\n\n"
+            "example:\n"
+            "  splu skip --config my-stream.toml --partition 2 --offset 18350"
+        ),
+    )  # fmt: skip
+    skip.add_argument("--config", required=True, help="the stream's TOML file")
+    skip.add_argument("--partition", type=int, required=True, help="the raw partition held")
+    skip.add_argument(
+        "--offset", type=int, required=True, help="the first offset of the batch, as reported"
+    )
+    skip.set_defaults(run=command_skip)
 
     up = commands.add_parser(
         "up", formatter_class=FORMATTER,

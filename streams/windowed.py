@@ -45,10 +45,12 @@ from streams.app import (
     close_step,
     describe,
     faust_app,
+    held_step,
     now_ms,
     redis_client,
 )
 from streams.closing import Closer
+from streams.undecodable import HeldBatches
 
 log = logging.getLogger("splu.windowed")
 
@@ -78,7 +80,8 @@ def create_windowed_app(
     def assigned() -> set[int]:
         return assigned_partitions(app, raw)
 
-    add_ingest(app, raw, config, Intake(config, preparer, buffer, lifecycle, publisher))
+    held = HeldBatches(buffer, publisher.send_all)
+    add_ingest(app, raw, config, Intake(config, preparer, buffer, lifecycle, publisher), held)
     add_health_pages(app, raw, client, publisher)
     add_metrics_page(app, raw, buffer)
 
@@ -145,6 +148,7 @@ def create_windowed_app(
             except TRANSIENT as err:
                 log.warning("partition %d: tick failed (%s)", partition, describe(err))
         await close_step(closer, assigned(), assigned())
+        await held_step(app, held, raw)
 
     app.splu_buffer = buffer  # type: ignore[attr-defined]
     return app
