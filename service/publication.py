@@ -87,7 +87,7 @@ COUNT_COLUMN = "count"
 
 MECHANISM_OPTIONS = {
     "decoy": ("gamma", "grouping", "method", "matrix", "tolerance", "max_iterations"),
-    "personal": ("retention", "lam", "delta", "budget", "merge_map"),
+    "personal": ("retention", "lam", "delta", "budget", "merge_map", "stream"),
     "sdr": ("rho1", "rho2", "delta"),
     "fprivacy": ("theta", "beta", "max_size", "min_size", "bucket_method", "fake_values"),
     "anatomy": ("gamma",),
@@ -96,7 +96,13 @@ MECHANISM_OPTIONS = {
     "laplace": ("epsilon",),
 }
 OPTION_FLAGS = {"lam": "--lambda"}
-PERSONAL_DEFAULTS = {"retention": 0.5, "lam": 0.3, "delta": 0.3, "budget": "adaptive"}
+PERSONAL_DEFAULTS = {
+    "retention": 0.5,
+    "lam": 0.3,
+    "delta": 0.3,
+    "budget": "adaptive",
+    "stream": False,
+}
 DECOY_DEFAULTS = {
     "gamma": 5,
     "grouping": "size-weighted",
@@ -671,7 +677,7 @@ def reconstruction_of(
     return PersonalReconstruction(
         cells, sensitive[0], settings["retention"], domain_size, lam=settings["lam"],
         delta=settings["delta"], budget=settings["budget"], value_map=value_map,
-        confidence=confidence, clip=bool(clip),
+        confidence=confidence, clip=bool(clip), stream=settings["stream"],
     )  # fmt: skip
 
 

@@ -512,5 +512,5 @@ def stream_reconstruction(config: StreamConfig, cells: PublishedCells) -> Recons
     return PersonalReconstruction(
         cells, config.sensitive[0], settings.retention, config.schema.sensitive[0].size,
         lam=settings.lam, delta=settings.delta, budget=settings.budget,
-        value_map=settings.value_map,
+        value_map=settings.value_map, stream=True,
     )  # fmt: skip

@@ -287,6 +287,14 @@ def add_mechanism_options(parser: argparse.ArgumentParser, reconstruction: bool)
         "of distinct values",
     )
     if reconstruction:
+        personal.add_argument(
+            "--stream",
+            action="store_true",
+            default=None,
+            help="personal: the file is a stream's publication (`splu run --published-out`), "
+            "whose groups spent their trials in arrival order: the interval models that "
+            "(implied by --budget bounded; the estimate is the same)",
+        )
         decoy.add_argument(
             "--method",
             choices=METHODS,
