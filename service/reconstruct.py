@@ -608,15 +608,14 @@ class PersonalReconstruction(Reconstruction):
         strata = np.clip(frequency, 0, None) * sizes[:, None]
         if budget == "none":
             return strata, np.zeros_like(strata)
+        fewest = np.clip(np.floor(trial_limit(1.0, p, m, lam, delta)), 1, None)
+        sharing = self._sharing_of(strata, sizes, np.full(groups, fewest))
         if budget == "conservative":
-            return strata, self._sharing_of(
-                strata, sizes, self._limit(np.ones(groups), sizes, budget, lam, delta)
-            )
+            return strata, sharing
         # The limit falls as the largest share rises, and copies make its estimate noisy:
         # plan with an upper bound, the estimate plus z standard errors under the design
-        # the estimate itself implies.
+        # with the fewest trials any budget allows (f = 1), which never understates them.
         largest = np.clip(frequency.max(axis=1, initial=0), 1.0 / m, 1.0)
-        sharing = self._sharing_of(strata, sizes, self._limit(largest, sizes, budget, lam, delta))
         top = frequency.argmax(axis=1) if labels else np.zeros(groups, np.int64)
         spread = strata + strata**2 * sharing
         a, b = perturbation.keep, perturbation.switch
@@ -653,9 +652,8 @@ class PersonalReconstruction(Reconstruction):
         with np.errstate(divide="ignore", invalid="ignore"):
             if self.stream:
                 extra = np.clip(limit - m, 0, None)[:, None]
-                repeats = np.clip(strata - 1, 0, None)
-                pool = repeats.sum(axis=1, keepdims=True)
-                share = np.where(pool > 0, repeats / pool, 0.0)
+                repeats = np.maximum(sizes - m, 1)[:, None]
+                share = np.clip((strata - 1) / repeats, 0, 1)
                 # E[1/(1 + J)], J ~ Binomial(k, π): (1 − (1 − π)^(k+1)) / ((k + 1)π).
                 inverse = np.where(
                     share > 0,
@@ -663,7 +661,7 @@ class PersonalReconstruction(Reconstruction):
                     / ((extra + 1) * share),
                     1.0,
                 )
-                copied = pool > extra
+                copied = (sizes > limit - m + 1)[:, None]
             else:
                 trials = np.minimum(sizes, limit)
                 present = np.minimum(m, sizes)
