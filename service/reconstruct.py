@@ -561,8 +561,10 @@ class PersonalReconstruction(Reconstruction):
         one per record since); plain perturbation (``none``) has no copies, w = 0.
         L_g falls as f rises, and a value shared by few trials has a noisy F′,
         so f is taken as max_v F′_gv plus z standard errors of it under the
-        design that estimate implies: the fewest trials plausible, never
-        understating the sharing.
+        design with the fewest trials any budget allows (f = 1): the limit is
+        then the lowest plausible, never understating the sharing. (The
+        errors under the plain estimate's own design are too small exactly
+        when it underestimates f.)
 
         *Batch* (SPS): n_g = min(|g|, L_g) trials, one per value present and the
         rest in proportion, so a stratum gets
@@ -588,11 +590,13 @@ class PersonalReconstruction(Reconstruction):
 
             E[1/n_gv] = E[1/(1 + J_v)] = (1 − (1 − π_v)^(k+1)) / ((k + 1)·π_v).
 
-        This is SPS's allocation with L_g − m extra trials in place of n_g − K,
-        drawn rather than rounded. A group whose repeats number at most k
-        publishes trials only, w = 0. Given n_gv the copies split the stratum
-        evenly and X̂ stays unbiased, so the variance averages the conditional
-        one over J_v.
+        As in the batch K is taken as m: clipped noise in the estimates of
+        absent values would inflate Σ_v (N_gv − 1)⁺, and K ≤ m errs by
+        (m − K)/|g| only. This is SPS's allocation with L_g − m extra trials in
+        place of n_g − K, drawn rather than rounded. Only a group of at most
+        k + K records publishes trials only (w = 0), so copies are assumed
+        unless |g| ≤ k + 1. Given n_gv the copies split the stratum evenly and
+        X̂ stays unbiased, so the variance averages the conditional one over J_v.
         """
         cells, perturbation = self.cells, self.perturbation
         p, m = perturbation.retention, perturbation.domain_size
