@@ -166,10 +166,13 @@ def stream_trials(
     delta: float,
     release_size: int,
     batch: int = 1,
+    reserve: bool = True,
 ) -> StreamTrials:
     """Replay personal.lua on records in arrival order: each record's group (any
     labels) and true value code (0..m−1); `batch` records per ingest call, after each
-    of which the groups holding `release_size` records are released.
+    of which the groups holding `release_size` records are released. `reserve` False
+    keeps no trial for values not seen yet (a trial while trials < L, whatever the
+    value), the rule reserve trials replace, for comparison (bench/personal_reserve.py).
 
     Groups never share state, so each is replayed alone over its own records; within a
     group the decisions depend only on its arrival order, its release points and its
@@ -182,6 +185,8 @@ def stream_trials(
     check_reconstruction_parameters(retention, m, lam, delta)
     values = np.asarray(values, dtype=np.int64)
     n = len(values)
+    if n == 0:
+        return StreamTrials(np.zeros(0, np.int8), np.zeros(0, np.int64))
     # Each group's records, in arrival order.
     codes = np.unique(np.asarray(groups), return_inverse=True)[1].ravel()
     order = np.argsort(codes, kind="stable")
@@ -193,7 +198,9 @@ def stream_trials(
     starts = (np.cumsum(sizes) - sizes).tolist()
     for start, size, plan in zip(starts, sizes.tolist(), plans, strict=True):
         rows = order[start : start + size]
-        _replay_group(rows.tolist(), values[rows].tolist(), plan, budget, m, kind, source)
+        _replay_group(
+            rows.tolist(), values[rows].tolist(), plan, budget, m if reserve else 0, kind, source
+        )
     return StreamTrials(kind, source)
 
 
@@ -202,14 +209,16 @@ def _replay_group(
     values: list[int],
     plan: _Releases,
     budget: str,
-    m: int,
+    reserved: int,
     kind: np.ndarray,
     source: np.ndarray,
 ) -> None:
     """One group's records (`rows`, their positions in arrival order) through
-    personal.lua, writing their kind and source."""
-    trials, borrowed, unseen = 0, 0, m
+    personal.lua, writing their kind and source; `reserved` trials are kept for values
+    not seen yet (m, or 0 for the rule without a reserve)."""
+    trials, borrowed, unseen = 0, 0, reserved
     frozen = False
+    m = max(values, default=0) + 1
     trials_of: list[list[int]] = [[] for _ in range(m)]
     copies = [0] * m
     lenders: list[int] | None = None
@@ -230,7 +239,7 @@ def _replay_group(
                 trials += 1
                 own.append(row)
                 if fresh:
-                    unseen -= 1
+                    unseen = max(unseen - 1, 0)
                     lenders = None
                 continue
             lender = value
@@ -258,6 +267,7 @@ class PersonalStream:
     release_size: a group's buffer is released when it holds this many records.
     batch: records per ingest call; a group releases after the call in which its
         buffer reached `release_size`.
+    reserve: False for the rule without reserve trials (`stream_trials`), for comparison.
     """
 
     def __init__(
@@ -269,6 +279,7 @@ class PersonalStream:
         value_map: ValueMap | None = None,
         release_size: int = 100,
         batch: int = 1,
+        reserve: bool = True,
     ) -> None:
         if budget not in STREAM_BUDGETS:
             raise ValueError(f"budget must be one of {', '.join(STREAM_BUDGETS)}, got {budget!r}")
@@ -281,12 +292,14 @@ class PersonalStream:
         self.budget = budget
         self.release_size = release_size
         self.batch = batch
+        self.reserve = reserve
 
     def __repr__(self) -> str:
         g = self.groups
         return (
             f"PersonalStream(retention={g.retention}, lam={g.lam}, delta={g.delta}, "
-            f"budget={self.budget!r}, release_size={self.release_size}, batch={self.batch})"
+            f"budget={self.budget!r}, release_size={self.release_size}, batch={self.batch}, "
+            f"reserve={self.reserve})"
         )
 
     def publish(
@@ -309,7 +322,7 @@ class PersonalStream:
         plain = g._audit(table, group_of_row, labels)
         replay = stream_trials(
             group_of_row[arrival], values[arrival], m, self.budget, g.retention, g.lam,
-            g.delta, self.release_size, self.batch,
+            g.delta, self.release_size, self.batch, self.reserve,
         )  # fmt: skip
         perturbed = UniformPerturbation(g.retention, m).perturb(values, ids, key, name)
         published_values = np.empty(len(table), dtype=table.codes[name].dtype)
