@@ -40,7 +40,7 @@ BATCH_OPTIONS = {
     "decoy": ["--mechanism", "decoy", "--gamma", "5", "--sensitive", "occupation"],
     "personal": [
         "--mechanism", "personal", "--sensitive", "income", "--retention", "0.5",
-        "--lambda", "0.3", "--delta", "0.3", "--budget", "conservative",
+        "--lambda", "0.3", "--delta", "0.3", "--budget", "conservative", "--stream",
     ],
 }  # fmt: skip
 
