@@ -296,14 +296,7 @@ class PersonalGroups:
         )
         published_values = np.empty(len(order), dtype=table.codes[name].dtype)
         published_values[order] = perturbed[source]
-
-        publication_order = np.argsort(prf64(key, "publication order", ids))
-        codes = {**table.codes, name: published_values}
-        published = Table(
-            table.schema,
-            {k: v[publication_order] for k, v in codes.items()},
-            table.lines[publication_order],
-        )
+        published = publication(table, name, published_values, ids, key)
         sampled = np.zeros(len(order), dtype=bool)
         sampled[sampled_rows] = True
         audit = GroupAudit(labels, plain.sizes, plain.max_frequency, plain.limit, trials)
@@ -333,6 +326,16 @@ class PersonalGroups:
                 return sizes
             # Ends by n = 1 at the latest: s_g(f = 1) ≥ 1 was checked up front.
             n -= 1
+
+
+def publication(
+    table: Table, name: str, published: np.ndarray, ids: np.ndarray, key: ServiceKey
+) -> Table:
+    """`table` with column `name` replaced by its `published` values, the rows in keyed
+    order: nothing in the file's order follows the input's."""
+    order = np.argsort(prf64(key, "publication order", ids))
+    codes = {**table.codes, name: published}
+    return Table(table.schema, {k: v[order] for k, v in codes.items()}, table.lines[order])
 
 
 def _group_statistics(

@@ -41,9 +41,10 @@ from service.mechanisms.personal import (
     PersonalGroups,
     PersonalRelease,
     UniformPerturbation,
+    publication,
 )
 from service.merge import ValueMap
-from service.prf import ServiceKey, prf64
+from service.prf import ServiceKey
 from service.table import Table
 
 # What each record published (`StreamTrials.kind`), as personal.lua's pool entries mark it.
@@ -285,9 +286,10 @@ class PersonalStream:
             raise ValueError(f"budget must be one of {', '.join(STREAM_BUDGETS)}, got {budget!r}")
         if release_size < 1 or batch < 1:
             raise ValueError("release_size and batch must be positive")
-        # Grouping, perturbation and the audits are SPS's.
+        # Grouping, perturbation and the audits are SPS's; the bounded budget promises at
+        # most the exact limit, as adaptive does.
         self.groups = PersonalGroups(
-            retention, lam, delta, "none" if budget == "bounded" else budget, value_map
+            retention, lam, delta, "adaptive" if budget == "bounded" else budget, value_map
         )
         self.budget = budget
         self.release_size = release_size
@@ -330,20 +332,9 @@ class PersonalStream:
         sampled = np.zeros(len(table), dtype=bool)
         sampled[arrival[replay.kind == TRIAL]] = True
         trials = np.bincount(group_of_row[sampled], minlength=len(labels))
-        limit = (
-            np.full(len(labels), float(trial_limit(1.0, g.retention, m, g.lam, g.delta)))
-            if self.budget == "conservative"
-            else plain.limit
-        )
+        limit = g._budget(plain, m)
         audit = GroupAudit(labels, plain.sizes, plain.max_frequency, limit, trials)
-        publication_order = np.argsort(prf64(key, "publication order", ids))
-        codes = {**table.codes, name: published_values}
-        published = Table(
-            table.schema,
-            {k: v[publication_order] for k, v in codes.items()},
-            table.lines[publication_order],
-        )
         return PersonalRelease(
-            published, plain, audit, int(sampled.sum()), int((replay.kind == BORROWED).sum()),
-            group_of_row, sampled,
+            publication(table, name, published_values, ids, key), plain, audit,
+            int(sampled.sum()), int((replay.kind == BORROWED).sum()), group_of_row, sampled,
         )  # fmt: skip
