@@ -29,6 +29,9 @@ perturbation of a large group gives away too many trials; SPS
   changes the public-value mix inside a merged group.) Only when n is smaller
   than the number of values in the group do some strata get no trial; their
   rows copy a sampled record of another value, and are counted as *borrowed*.
+  A stream, which meets its records one at a time, keeps the same promise with
+  reserve trials (`service/lua/personal.lua`, replayed by
+  `service.mechanisms.personal_stream`).
 
 Budgets: ``adaptive`` uses each group's true f (the thesis), ``conservative``
 uses f = 1 (the smallest limit, safe if f drifts), ``none`` is plain uniform
