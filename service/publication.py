@@ -680,20 +680,21 @@ def _read_text(path: str) -> str:
         return stream.read()
 
 
-def _rows(text: str, path: str) -> RawRows:
-    raw = read_rows(io.StringIO(text, newline=""))
+def _rows(text: str, path: str, delimiter: str | None = None) -> RawRows:
+    raw = read_rows(io.StringIO(text, newline=""), delimiter)
     if raw.rejections:
         raise PublicationError(f"{path}: {raw.rejections[0]} (is it a published file?)")
     return raw
 
 
-def published_cells(text: str, path: str) -> PublishedCells:
+def published_cells(text: str, path: str, delimiter: str | None = None) -> PublishedCells:
     """A published CSV's rows aggregated into cells, each column's domain the values it
     shows in order of appearance (as `PublishedCells.from_rows`); split by Arrow where it
-    splits as the csv module does (`read_columns`), so a malformed line is refused alike."""
-    columns = read_columns(text)
+    splits as the csv module does (`read_columns`), so a malformed line is refused alike.
+    Without a `delimiter`, the header line's is sniffed."""
+    columns = read_columns(text, delimiter)
     if columns is None:
-        raw = _rows(text, path)
+        raw = _rows(text, path, delimiter)
         return PublishedCells.from_rows(raw.header, raw.rows)
     if columns.rejections:
         raise PublicationError(f"{path}: {columns.rejections[0]} (is it a published file?)")

@@ -4,7 +4,6 @@ Laplace noise, the raw data."""
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 from collections.abc import Collection, Iterator, Mapping
@@ -15,6 +14,7 @@ from service.commands.common import (
     FORMATTER,
     CommandError,
     Commands,
+    add_delimiter_option,
     add_mechanism_options,
     column_names,
     mechanism_settings,
@@ -41,6 +41,7 @@ from service.publication import (
     reconstruction_of,
 )
 from service.reconstruct import PublishedCells, Query, QueryError, Reconstruction
+from service.table import csv_reader
 
 # Where `splu query --topic` finds Kafka without --bootstrap, as every stream command does.
 BOOTSTRAP_ENV = "KAFKA_BOOTSTRAP"
@@ -202,11 +203,11 @@ def _query_laplace(args: argparse.Namespace, settings: dict[str, Any]) -> int:
     return _write_answers(args, results, f"from {len(table):,} raw rows (laplace)")
 
 
-def _check_published_columns(published: str, quasi: list[str]) -> None:
+def _check_published_columns(published: str, quasi: list[str], delimiter: str | None) -> None:
     if not quasi:
         return
     with open_input(published) as stream:
-        header = next(csv.reader(stream), [])
+        header = csv_reader(stream, delimiter)[0]
     missing = [c for c in quasi if c not in header]
     if missing:
         raise CommandError(
@@ -240,7 +241,7 @@ def command_query(args: argparse.Namespace) -> int:
         # The rest of `splu publish`'s options are welcome (SPEC §5: the same options):
         # --quasi must name columns the publication has; --bin, --schema and --seed shaped
         # the raw table before publication and change nothing in what is read here.
-        _check_published_columns(args.published, column_names(args.quasi))
+        _check_published_columns(args.published, column_names(args.quasi), args.delimiter)
     settings = mechanism_settings(args)
     if chosen == "laplace":
         return _query_laplace(args, settings)
@@ -260,7 +261,7 @@ def command_query(args: argparse.Namespace) -> int:
                 "name the sensitive column(s) of the published file with --sensitive"
             )
         with open_input(args.published) as stream:
-            cells = published_cells(stream.read(), args.published)
+            cells = published_cells(stream.read(), args.published, args.delimiter)
         if chosen == "personal":
             personal_merge_map(settings, args.published)
         answerer = reconstruction_of(
@@ -345,6 +346,7 @@ def register(commands: Commands) -> None:
     query.add_argument(
         "--config", metavar="FILE", help="--topic: take the bootstrap from this stream config"
     )
+    add_delimiter_option(query)
     query.add_argument("--queries", required=True, help="JSONL file of queries (- for stdin)")
     query.add_argument("--output", required=True, help="JSONL answers (- for stdout)")
     add_mechanism_options(query, reconstruction=True)
