@@ -630,8 +630,10 @@ class Intake:
             self.config.topics["rejected"], ((r.message.key, r.payload()) for r in rejected)
         )
         for r in rejected:
+            # The field and the reason, never the value (a reason never echoes a sensitive one).
             where = f"{r.message.partition}/{r.message.offset}"
-            log.warning("rejected %s: %s", where, r.rejection.reason)
+            field = "" if r.rejection.field is None else f", field {r.rejection.field!r}"
+            log.warning("rejected %s%s: %s", where, field, r.rejection.reason)
 
 
 def refused(message: RawMessage, reason: str) -> Rejected:
