@@ -503,14 +503,18 @@ class RunningCounts:
             )
 
 
-def stream_reconstruction(config: StreamConfig, cells: PublishedCells) -> Reconstruction:
+def stream_reconstruction(
+    config: StreamConfig, cells: PublishedCells, confidence: float = 0.95
+) -> Reconstruction:
     """The reconstruction `splu query` would use for this stream's publication."""
     if config.decoy is not None:
-        return DecoyReconstruction(cells, config.decoy.gamma, config.sensitive)
+        return DecoyReconstruction(
+            cells, config.decoy.gamma, config.sensitive, confidence=confidence
+        )
     settings = config.personal
     assert settings is not None
     return PersonalReconstruction(
         cells, config.sensitive[0], settings.retention, config.schema.sensitive[0].size,
         lam=settings.lam, delta=settings.delta, budget=settings.budget,
-        value_map=settings.value_map,
+        value_map=settings.value_map, confidence=confidence,
     )  # fmt: skip

@@ -251,7 +251,8 @@ def test_a_semicolon_export_reads_as_its_comma_original(tmp_path, case):
         semicolons = CASES[case].replace(b",", b";")
         assert both(tmp_path, semicolons, arguments) == (original, original)
         # Told the wrong delimiter, the header is one column and names none of them.
-        told = outcome(read_table, io.StringIO(semicolons.decode()), {**arguments, "delimiter": ","})
+        comma = {**arguments, "delimiter": ","}
+        told = outcome(read_table, io.StringIO(semicolons.decode()), comma)
         assert told[0] == "SchemaError"
 
 

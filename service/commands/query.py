@@ -41,6 +41,7 @@ from service.publication import (
     reconstruction_of,
 )
 from service.reconstruct import PublishedCells, Query, QueryError, Reconstruction
+from service.running_counts import stream_reconstruction
 from service.table import csv_reader
 
 # Where `splu query --topic` finds Kafka without --bootstrap, as every stream command does.
@@ -224,9 +225,12 @@ def command_query(args: argparse.Namespace) -> int:
         )
     if args.topic is not None:
         return _query_topic(args)
-    given = [f for f, v in (("--bootstrap", args.bootstrap), ("--config", args.config)) if v]
-    if given:
-        raise CommandError(f"{given[0]} applies to --topic only")
+    if args.bootstrap:
+        raise CommandError("--bootstrap applies to --topic only")
+    if args.config is not None:
+        if args.published is None:
+            raise CommandError("--config applies to --topic and --published only")
+        return _query_stream_file(args)
     if args.url is not None:
         return _query_service(args)
     chosen = args.mechanism
@@ -268,6 +272,15 @@ def command_query(args: argparse.Namespace) -> int:
             chosen, settings, cells, column_names(args.sensitive), args.confidence, args.clip
         )
         rows, domains = cells.total, None
+    return _answer_queries(args, answerer, domains, f"over {rows:,} published rows ({chosen})")
+
+
+def _answer_queries(
+    args: argparse.Namespace,
+    answerer: Answers,
+    domains: Mapping[str, Collection[str]] | None,
+    source: str,
+) -> int:
     objects, parsed = _read_queries(args.queries, answerer, domains)
     valid = [q for q in parsed if q is not None]
     answers = iter(answerer.estimate_many(valid))
@@ -275,8 +288,24 @@ def command_query(args: argparse.Namespace) -> int:
         obj if q is None else {**obj, **next(answers).answer()}
         for obj, q in zip(objects, parsed, strict=True)
     ]
-    source = f"over {rows:,} published rows ({chosen})"
     return _write_answers(args, results, source)
+
+
+def _query_stream_file(args: argparse.Namespace) -> int:
+    """A stream's published records written as CSV (`splu run --published-out`), answered
+    as its consumer answers them: its config decides the mechanism and its options."""
+    _refuse_options(args, "--config: the stream's config decides")
+    config = load_config(args.config)
+    if config.mechanism == "windowed":
+        raise CommandError(
+            f"{args.config} is a windowed stream: its answers need its side messages too, "
+            f"query its topics with --topic {config.name}"
+        )
+    with open_input(args.published) as stream:
+        cells = published_cells(stream.read(), args.published, args.delimiter)
+    answerer = stream_reconstruction(config, cells, args.confidence)
+    source = f"over {cells.total:,} published rows of stream {config.name!r} ({config.mechanism})"
+    return _answer_queries(args, answerer, None, source)
 
 
 def register(commands: Commands) -> None:
@@ -295,6 +324,8 @@ def register(commands: Commands) -> None:
             "       '\"value\": {\"occupation\": \"Sales\"}}' > q.jsonl\n"
             "  splu query --published published.csv --mechanism decoy --gamma 5 \\\n"
             "      --sensitive occupation --queries q.jsonl --output answers.jsonl\n"
+            "  splu query --published published.csv --config my-stream.toml \\\n"
+            "      --queries q.jsonl --output -        # from `splu run --published-out`\n"
             "  splu query --url http://127.0.0.1:6066 --queries q.jsonl --output -\n"
             "  splu query --topic adult --bootstrap kafka:9092 --queries q.jsonl --output -\n"
             "  splu query --published sdr.csv --mechanism sdr --queries q.jsonl --output a.jsonl\n"
@@ -344,8 +375,11 @@ def register(commands: Commands) -> None:
         help=f"--topic: the Kafka bootstrap (default: {BOOTSTRAP_ENV}, else --config's)",
     )  # fmt: skip
     query.add_argument(
-        "--config", metavar="FILE", help="--topic: take the bootstrap from this stream config"
-    )
+        "--config", metavar="FILE",
+        help="--published: the stream config the CSV was published with (`splu run "
+        "--published-out`), which decides mechanism and options; --topic: take the "
+        "bootstrap from it",
+    )  # fmt: skip
     add_delimiter_option(query)
     query.add_argument("--queries", required=True, help="JSONL file of queries (- for stdin)")
     query.add_argument("--output", required=True, help="JSONL answers (- for stdout)")
