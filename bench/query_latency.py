@@ -77,8 +77,9 @@ from service.buffer import connect
 from service.config import StreamConfig, load_config
 from service.mechanisms.decoy import DecoyGroups
 from service.prf import ServiceKey, random_ids
+from service.publication import stream_reconstruction
 from service.reconstruct import Estimate, PublishedCells, Query, Reconstruction
-from service.running_counts import RunningCounts, stream_reconstruction
+from service.running_counts import RunningCounts
 from service.table import Table, open_sample, read_table
 from streams.topics import create_topics
 

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 import numpy as np
 
@@ -65,6 +65,9 @@ from service.reconstruct import (
 )
 from service.schema import Attribute, Schema, SchemaError
 from service.table import RawRows, Table, open_text, read_columns, read_rows
+
+if TYPE_CHECKING:  # the config reads this registry's options: no import at run time
+    from service.config import StreamConfig
 
 # The stream mechanisms (`splu demo`, `--url`); batch publication also has the others.
 MECHANISMS = ("decoy", "personal")
@@ -672,6 +675,24 @@ def reconstruction_of(
         cells, sensitive[0], settings["retention"], domain_size, lam=settings["lam"],
         delta=settings["delta"], budget=settings["budget"], value_map=value_map,
         confidence=confidence, clip=bool(clip),
+    )  # fmt: skip
+
+
+def stream_reconstruction(
+    config: StreamConfig, cells: PublishedCells, confidence: float = 0.95
+) -> Reconstruction:
+    """The reconstruction of a decoy or personal stream's publication, as its consumer
+    builds it and `splu query --config` answers from the stream's published records."""
+    if config.decoy is not None:
+        return DecoyReconstruction(
+            cells, config.decoy.gamma, config.sensitive, confidence=confidence
+        )
+    settings = config.personal
+    assert settings is not None
+    return PersonalReconstruction(
+        cells, config.sensitive[0], settings.retention, config.schema.sensitive[0].size,
+        lam=settings.lam, delta=settings.delta, budget=settings.budget,
+        value_map=settings.value_map, confidence=confidence,
     )  # fmt: skip
 
 

@@ -53,14 +53,13 @@ from service.privacy_tests import (
     guarantee_curve,
     windowed_tests,
 )
-from service.publication import Answers, answer_queries
+from service.publication import Answers, answer_queries, stream_reconstruction
 from service.reconstruct import Estimate, Query, QueryError, Reconstruction
 from service.running_counts import (
     CellCodec,
     PublishedRecordError,
     PublishedWindows,
     RunningCounts,
-    stream_reconstruction,
 )
 from streams.app import (
     TRANSIENT,

@@ -28,8 +28,9 @@ from service import client
 from service.cli import main as service_main
 from service.config import load_config
 from service.manifest import Manifest, ManifestError, Publication, Tally, manifest_topic
+from service.publication import stream_reconstruction
 from service.reconstruct import Query
-from service.running_counts import CellCodec, stream_reconstruction
+from service.running_counts import CellCodec
 from streams.cli import main as streams_main
 from streams.manifest import (
     ManifestConflictError,

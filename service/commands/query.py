@@ -39,9 +39,9 @@ from service.publication import (
     personal_merge_map,
     published_cells,
     reconstruction_of,
+    stream_reconstruction,
 )
 from service.reconstruct import PublishedCells, Query, QueryError, Reconstruction
-from service.running_counts import stream_reconstruction
 from service.table import csv_reader
 
 # Where `splu query --topic` finds Kafka without --bootstrap, as every stream command does.
