@@ -13,22 +13,27 @@ import numpy as np
 import pytest
 
 from service import drafting, planning
-from service.config import DEFAULT_MIXING_POOL
+from service.cli import main
+from service.config import DEFAULT_MIXING_POOL, load_config
 from service.prf import ServiceKey, random_ids
 from service.schema import Rejection
 from service.table import read_table
 
 
-def survey_table(rows: int = 400, seed: int = 1):
-    """age: 18..89 (and one 'unknown'), sex, a 5-valued numeric code, a sensitive answer."""
+def survey_text(rows: int = 400, seed: int = 1) -> str:
+    """id, age: 18..89 (and one 'unknown'), sex, a 5-valued numeric code, an answer."""
     rng = np.random.default_rng(seed)
-    lines = ["age,sex,code,answer"]
+    lines = ["id,age,sex,code,answer"]
     for i in range(rows):
         age = "unknown" if i == 7 else str(18 + i % 72)
         answer = ("a", "b", "c", "d", "e")[rng.choice(5, p=[0.3, 0.25, 0.2, 0.15, 0.1])]
-        lines.append(f"{age},{'FM'[rng.integers(2)]},{rng.integers(1, 6)},{answer}")
+        lines.append(f"r{i},{age},{'FM'[rng.integers(2)]},{rng.integers(1, 6)},{answer}")
+    return "\n".join(lines) + "\n"
+
+
+def survey_table():
     table, rejections = read_table(
-        io.StringIO("\n".join(lines) + "\n"), quasi=["age", "sex", "code"], sensitive=["answer"]
+        io.StringIO(survey_text()), quasi=["age", "sex", "code"], sensitive=["answer"]
     )
     assert not rejections
     return table
@@ -179,3 +184,30 @@ def test_every_draft_loads_as_splu_run_loads_it(planned, tmp_path, mechanism, re
     written = tomllib.loads(text)[mechanism]
     assert tomllib.loads(planning.toml_block(setting))[mechanism].items() <= written.items()
     Path(path).write_text(text)  # a file name with a space and a '!' is a fine file
+
+
+def test_plan_writes_the_safest_config_when_no_setting_meets_the_bound(tmp_path, capsys):
+    source, config = tmp_path / "survey.csv", tmp_path / "survey.toml"
+    source.write_text(survey_text())
+    arguments = [
+        "plan", "--input", str(source), "--sensitive", "answer", "--quasi", "age,sex,code",
+        "--publications", "1", "--queries", "100", "--seed", "1",
+    ]  # fmt: skip
+    written = [*arguments, "--config-out", str(config), "--id-column", "id"]
+    assert main([*written, "--max-error", "0.0001", "--expected-rate", "50/h"]) == 0
+    out = capsys.readouterr().out
+    assert "SAFEST SETTING, NOT A RECOMMENDATION" in out
+    assert "SAFEST SETTING, NOT A RECOMMENDATION" in config.read_text()
+    assert "What would help:" in out and "more rows: about" in out
+    assert f"splu run --config {config} --input {source} --id-column id" in out
+    loaded = load_config(config)
+    assert loaded.decoy is not None and loaded.schema["age"].bins is not None
+    assert loaded.max_wait == 100 / (50 / 3600)  # 100 arrivals at 50 an hour
+    # The flags of the config, and an id column that would be published, are refused.
+    for extra, message in (
+        (["--expected-rate", "2"], "--expected-rate applies to --config-out"),
+        ([*written[len(arguments) : -1], "age"], "a stream never publishes ids"),
+        ([*written[len(arguments) : -1], "nope"], "'nope' is not a column"),
+    ):
+        assert main([*arguments, *extra]) == 1
+        assert message in capsys.readouterr().err
