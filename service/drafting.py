@@ -28,6 +28,7 @@ import json
 import math
 import re
 import sys
+import textwrap
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -85,6 +86,22 @@ def parse_rate(text: str) -> float:
     if not (math.isfinite(rate) and rate > 0):
         raise ValueError(f"--expected-rate {text!r} must be positive")
     return rate
+
+
+def rate_text(rate: float) -> str:
+    """Records per second in the unit that shows at least one: 2/s, 30/min, 8.33/h."""
+    unit, seconds = next(
+        ((u, t) for u, t in RATE_UNITS.items() if rate * t >= 1), list(RATE_UNITS.items())[-1]
+    )
+    return f"{rate * seconds:,.3g}/{unit}"
+
+
+def duration_text(seconds: float) -> str:
+    """Seconds as people say them: 45 s, 20 min, 12 h, 3 days."""
+    for unit, size in (("days", 86400.0), ("h", 3600.0), ("min", 60.0)):
+        if seconds >= 2 * size:
+            return f"{seconds / size:,.3g} {unit}"
+    return f"{seconds:,.0f} s"
 
 
 def _numbers(domain: Sequence[str]) -> np.ndarray:
@@ -347,7 +364,13 @@ def render(draft: Draft) -> str:
             f"# mean error within --max-error {draft.max_error:g}. This is the most private one",
             f"# ({planning_label(draft.setting)}: large counts off by {error_text} on average).",
             "# What would help:",
-            *(f"#   - {line}" for line in draft.advice),
+            *(
+                wrapped
+                for line in draft.advice
+                for wrapped in textwrap.wrap(
+                    line, 88, initial_indent="#   - ", subsequent_indent="#     "
+                )
+            ),
             "",
         ]
     lines += [*_stream_lines(draft), "", *_connection_lines(), ""]
@@ -364,10 +387,11 @@ def _stream_lines(draft: Draft) -> list[str]:
         wait = "# A slow survey needs minutes to hours: plan with --expected-rate."
         pool_wait = []
     else:
-        sized = [f"# Sized for {s.rate:g} records/s; one partition moves thousands a second."]
-        wait = f"# The time {WAIT_ARRIVALS} records take to reach a partition at {s.rate:g}/s."
+        pace = rate_text(s.rate)
+        sized = [f"# Sized for {pace}; one partition moves thousands of records a second."]
+        wait = f"# The time {WAIT_ARRIVALS} records take to reach a partition at {pace}."
         pool_wait = [
-            f"# At {s.rate:g} records/s a record waits about {s.pool_wait:,.0f} s in its pool."
+            f"# At {pace} a record waits about {duration_text(s.pool_wait or 0)} in its pool."
         ]
     if draft.setting.mechanism == "decoy":
         mixing = [

@@ -626,7 +626,8 @@ def write_config(
         )
     print(
         f"\nWrote {args.config_out}: {chosen}; {s.partitions} partition(s), mixing floor "
-        f"{s.mixing_pool}, max_wait {s.max_wait:g} s, {len(draft.queries)} standing queries. "
+        f"{s.mixing_pool}, max_wait {drafting.duration_text(s.max_wait)}, "
+        f"{len(draft.queries)} standing queries. "
         "Next:"
     )
     example = shlex.quote(json.dumps(draft.queries[0])) if draft.queries else "'{...}'"
