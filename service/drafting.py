@@ -133,7 +133,11 @@ def quantile_edges(values: np.ndarray, counts: np.ndarray, bins: int) -> tuple[f
         round(float(values[np.searchsorted(cumulative, k / bins)]) / step) for k in range(1, bins)
     }
     low, high = math.floor(smallest / step), math.floor(largest / step) + 1
-    multiples = [low, *sorted(m for m in inner if low < m < high), high]
+    inner = {m for m in inner if low < m < high}
+    if not inner and high - low > 1:
+        # Most rows share one value: the quantiles fall together; halve the range instead.
+        inner = {(low + high) // 2}
+    multiples = [low, *sorted(inner), high]
     return tuple(float(f"{m * step:.12g}") for m in multiples)
 
 

@@ -49,6 +49,10 @@ def test_quantile_edges_take_in_every_value_at_round_numbers():
     values = np.linspace(0.11, 0.97, 50)
     edges = drafting.quantile_edges(values, np.ones(50), bins=3)
     assert edges[0] <= 0.11 and edges[-1] > 0.97 and list(edges) == sorted(set(edges))
+    # Nine rows in ten hold 0: the quantiles fall together, and the range is halved.
+    values = np.arange(21, dtype=float)
+    edges = drafting.quantile_edges(values, np.array([180, *[1] * 20]), bins=4)
+    assert edges == (0.0, 10.0, 22.0)
 
 
 def test_numeric_columns_of_many_values_are_binned_and_their_other_values_rejected():
