@@ -37,20 +37,24 @@ PLANS = ("basic", "plus", "pro")
 ANSWERS = ("never", "rarely", "sometimes", "often", "always", "refused")
 ROWS = 400
 INVALID = 3
+PERSONAL_ANSWERS = 3  # the personal stream's sensitive domain: its first answers
 SUMMARY = re.compile(
     r"records: ([\d,]+) sent, ([\d,]+) in, ([\d,]+) published, ([\d,]+) suppressed, "
     r"([\d,]+) rejected"
 )
 
 
-def write_survey(path: Path, rows: int = ROWS) -> list[dict[str, str]]:
+def write_survey(path: Path, rows: int = ROWS, answers: int = len(ANSWERS)) -> list[dict[str, str]]:
+    """`rows` valid responses whose answers are the first `answers` of ANSWERS, then the
+    INVALID ones."""
     rng = np.random.default_rng(5)
+    shares = np.array([0.3, 0.25, 0.2, 0.12, 0.08, 0.05][:answers])
     rows = [
         {
             "respondent": f"r{i:05d}",
             "region": REGIONS[rng.integers(len(REGIONS))],
             "plan": PLANS[rng.choice(len(PLANS), p=[0.6, 0.3, 0.1])],
-            "answer": ANSWERS[rng.choice(len(ANSWERS), p=[0.3, 0.25, 0.2, 0.12, 0.08, 0.05])],
+            "answer": ANSWERS[rng.choice(answers, p=shares / shares.sum())],
         }
         for i in range(rows)
     ]
@@ -66,7 +70,7 @@ def write_survey(path: Path, rows: int = ROWS) -> list[dict[str, str]]:
 
 
 def write_config(path: Path, mechanism: str) -> None:
-    sensitive = ANSWERS if mechanism == "decoy" else ANSWERS[:3]
+    sensitive = ANSWERS if mechanism == "decoy" else ANSWERS[:PERSONAL_ANSWERS]
     document: dict = {
         "stream": {
             "name": f"survey-{mechanism}", "mechanism": mechanism, "partitions": 2,
@@ -113,14 +117,9 @@ def number(text: str) -> int:
 @pytest.mark.parametrize("mechanism", ["decoy", "personal"])
 def test_run_streams_a_users_csv_and_writes_what_was_published(tmp_path, mechanism):
     source, config, out = tmp_path / "survey.csv", tmp_path / "survey.toml", tmp_path / "out.csv"
-    rows = write_survey(source)
-    assert len(rows) - INVALID < 1000  # the default floor, which the config keeps
-    if mechanism == "personal":
-        rows = [r for r in rows if r["answer"] in ANSWERS[:3] or r["region"] == "mars"]
-        with source.open("w", newline="") as stream:
-            writer = csv.DictWriter(stream, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+    answers = len(ANSWERS) if mechanism == "decoy" else PERSONAL_ANSWERS
+    rows = write_survey(source, answers=answers)
+    assert len(rows) - INVALID == ROWS < 1000  # the default floor, which the config keeps
     write_config(config, mechanism)
     result = splu_run(tmp_path, config, source, "--published-out", str(out))
     output = result.stdout + result.stderr
@@ -131,7 +130,7 @@ def test_run_streams_a_users_csv_and_writes_what_was_published(tmp_path, mechani
     assert summary, output
     sent, ingested, published, suppressed, rejected = map(number, summary.groups())
     assert sent == len(rows) and rejected == INVALID, output
-    assert ingested == sent - rejected == published + suppressed, output
+    assert ingested == sent - rejected == published + suppressed == ROWS, output
     assert published > 0.9 * ingested, output
     assert "responses never fill the mixing floor of 1,000" in output, output
     assert "left as one take of" in output, output
