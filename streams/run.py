@@ -47,6 +47,7 @@ from service.lifecycle import close_status
 from service.planning import floor_note
 from service.progress import progress_bar
 from streams.closing import describe_closed, request_close
+from streams.kafka import client_options, start_client
 from streams.produce import count_rows, produce, rows_of
 from streams.topics import create_topics
 
@@ -88,11 +89,11 @@ def run_stream(
         env = _key_env(config, command)
         print(
             f"{command}: {config.mechanism} stream {config.name!r} (Kafka "
-            f"{config.kafka_bootstrap}{'' if servers.kafka is None else ', embedded'}; Redis "
+            f"{config.kafka.bootstrap}{'' if servers.kafka is None else ', embedded'}; Redis "
             f"{config.redis_url.rpartition('@')[2]}{'' if servers.redis is None else ', embedded'}"
             f"), {config.partitions} partitions"
         )
-        asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
+        asyncio.run(create_topics(config.kafka, config.topic_partitions))
         # As in production: each process under its own least-privilege Redis user, when
         # this run started the Redis server (and so administers it).
         envs = (
@@ -116,7 +117,7 @@ def run_stream(
             print(f"published records: {written:,} rows written to {published_out}")
         print(
             f"published records: topic {config.topics['published']} at "
-            f"{config.kafka_bootstrap}"
+            f"{config.kafka.bootstrap}"
             + (
                 f" (gone when this run ends{'' if config.windowed else ': use --published-out'})"
                 if servers.kafka
@@ -287,10 +288,10 @@ def _summary(
 async def _write_published(config: StreamConfig, expected: int, path: Path) -> int:
     """Write each published record once (by token) as CSV; how many rows."""
     consumer = AIOKafkaConsumer(
-        config.topics["published"], bootstrap_servers=config.kafka_bootstrap,
+        config.topics["published"], **client_options(config.kafka),
         auto_offset_reset="earliest", enable_auto_commit=False,
     )  # fmt: skip
-    await consumer.start()
+    await start_client(consumer, config.kafka)
     records: dict[bytes, dict[str, str]] = {}
     deadline = time.monotonic() + TIMEOUT
     try:
