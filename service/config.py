@@ -651,13 +651,13 @@ def kafka_settings(table: _Reader, base: Path) -> KafkaSettings:
         raise table.fail("password_env", "and kafka.password_file: give one of them")
     values: dict[str, Any] = {}
     for key in (*KAFKA_ENV, "password_env"):
+        if table.get(key) is not None:
+            text = table.text(key)
+            values[key] = base / text if key.endswith("_file") else text
         variable = KAFKA_ENV.get(key)
         text = os.environ.get(variable) if variable else None
         if text:
             values[key] = Path(text) if key.endswith("_file") else text
-        elif table.get(key) is not None:
-            text = table.text(key)
-            values[key] = base / text if key.endswith("_file") else text
     table.finish()
 
     def fail(key: str, message: str) -> ConfigError:

@@ -220,8 +220,9 @@ async def diagnose(kafka: KafkaSettings, hint: str = CONFIG_HINT) -> ConnectionE
         except Exception as err:  # aiokafka's SCRAM raises KeyError on a server's refusal
             return BrokerRefusedError(
                 f"the broker at {where} refused SASL {mechanism} authentication as "
-                f"{kafka.username!r} ({_reason(err)}): check {kafka_setting('username')} and "
-                f"the password ({KAFKA_PASSWORD_ENV}, kafka.password_env or password_file)"
+                f"{kafka.username!r} ({_reason(err)}): check {kafka_setting('username')}, "
+                f"the password ({KAFKA_PASSWORD_ENV}, kafka.password_env or password_file) "
+                f"and {kafka_setting('sasl_mechanism')}"
             )
     return BrokerUnreachableError(
         f"the Kafka broker at {where} answers, but no broker of {kafka.bootstrap} could be "
