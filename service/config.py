@@ -49,7 +49,8 @@
     key_file = "client.key"      # certificate and key (paths relative to this file)
     sasl_mechanism = "SCRAM-SHA-512" # KAFKA_SASL_MECHANISM: PLAIN, SCRAM-SHA-256 or
                                  # SCRAM-SHA-512; required with SASL_*
-    username = "splu-worker"     # KAFKA_USERNAME: the role's own principal (README, Security)
+    username = "splu-worker"     # KAFKA_USERNAME: the role's own principal (README: the
+                                 # ACL table, `streams.kafka.topic_grants`)
     password_env = "WORKER_KAFKA_PASSWORD"  # the variable holding the password, or
     password_file = "/run/secrets/kafka"    # a file readable by its owner only
                                  # (KAFKA_PASSWORD_FILE); KAFKA_PASSWORD, if set, is the

@@ -14,7 +14,8 @@ each role logs in as its own principal, and the grants, the topics and the READM
 docs/architecture.md's ACL tables are `streams.kafka.topic_grants` and `role_topics`.
 The two one-shot setup steps run here as compose would run them, with their volumes
 mapped to directories and the Kafka tools replaced by stubs that record their
-arguments: what a real broker makes of them only a deployment shows (README, Security).
+arguments: what a real broker makes of them only a deployment shows (README,
+*Kafka: TLS, SASL and each role's ACLs*).
 """
 
 from __future__ import annotations
