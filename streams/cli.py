@@ -16,7 +16,7 @@ from pathlib import Path
 
 from service import cli
 from service.commands.common import FORMATTER, CommandError, Commands, add_delimiter_option
-from service.config import load_config
+from service.config import KafkaSettings, load_config
 from service.manifest import Publication
 from service.publication import MECHANISMS, log, open_input
 
@@ -58,11 +58,11 @@ def command_produce(args: argparse.Namespace) -> int:
         try:
             sent = asyncio.run(produce(config, rows, total, args.rate))
         except KafkaError as err:
-            raise CommandError(f"cannot produce to {config.kafka_bootstrap}: {err}") from None
+            raise CommandError(f"cannot produce to {config.kafka.bootstrap}: {err}") from None
 
     log(
         f"splu produce: {sent:,} records from {args.input} acknowledged by "
-        f"{config.topics['raw']} at {config.kafka_bootstrap}"
+        f"{config.topics['raw']} at {config.kafka.bootstrap}"
     )
     if args.id_column is None:
         log(
@@ -357,11 +357,11 @@ def register(commands: Commands) -> None:
     produce.set_defaults(run=command_produce)
 
 
-def read_topic(stream: str, bootstrap: str, confidence: float) -> Publication:
+def read_topic(stream: str, kafka: KafkaSettings, confidence: float) -> Publication:
     """`splu query --topic`'s reader, which the batch command cannot import (layers)."""
     from streams.reader import read_publication
 
-    return read_publication(stream, bootstrap, confidence)
+    return read_publication(stream, confidence=confidence, kafka=kafka)
 
 
 def build_parser() -> argparse.ArgumentParser:

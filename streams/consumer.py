@@ -384,7 +384,7 @@ def create_consumer_app(config: StreamConfig, datadir: Path, host: str, port: in
         config.topics["published"], partitions=config.partitions, value_serializer="raw",
         key_serializer="raw",
     )  # fmt: skip
-    publisher = Publisher(config.kafka_bootstrap, loop=app.loop)
+    publisher = Publisher(config.kafka, loop=app.loop)
     app.add_dependency(publisher)
     client = redis_client(app, config)
     # The holder of the published topic's partition 0 leads: one per group at a time.

@@ -26,6 +26,7 @@ from aiokafka import AIOKafkaProducer
 from service.config import StreamConfig
 from service.progress import progress_bar
 from service.table import csv_reader
+from streams.kafka import client_options, role_topics, start_client
 from streams.topics import create_topics
 
 BATCH = 1000
@@ -98,21 +99,18 @@ async def produce(
 ) -> int:
     """Send every row to the raw topic; returns how many were acknowledged.
 
-    The stream's topics are created first if missing: a producer asking for the raw
-    topic's metadata would have the broker create it with its default partition count."""
-    await create_topics(config.kafka_bootstrap, config.topic_partitions)
+    The raw topic is created first if missing (and the producer's principal may): a
+    producer asking for its metadata would have the broker create it with its default
+    partition count."""
+    await create_topics(config.kafka, role_topics(config, "producer"))
     producer = AIOKafkaProducer(
-        bootstrap_servers=config.kafka_bootstrap,
+        **client_options(config.kafka),
         enable_idempotence=False,
         acks="all",
         linger_ms=5,
         max_batch_size=512 * 1024,
     )
-    try:
-        await producer.start()
-    except BaseException:
-        await producer.stop()
-        raise
+    await start_client(producer, config.kafka)
     sent, started = 0, time.monotonic()
     # Batches of at most a tenth of a second's worth, so a rate is kept smoothly.
     size = min(BATCH, max(1, int(rate / 10))) if rate else BATCH

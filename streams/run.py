@@ -51,6 +51,7 @@ from service.planning import floor_note
 from service.progress import progress_bar
 from service.table import open_text
 from streams.closing import describe_closed, request_close
+from streams.kafka import client_options, start_client
 from streams.produce import count_rows, numbered_rows, produce, rows_of
 from streams.topics import create_topics, end_offsets
 
@@ -95,17 +96,17 @@ def run_stream(
             )
         # One line, before anything starts, for a server that does not answer or refuses.
         asyncio.run(check_redis(config))
-        asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
+        asyncio.run(create_topics(config.kafka, config.topic_partitions))
         env = _key_env(config, command)
         print(
             f"{command}: {config.mechanism} stream {config.name!r} (Kafka "
-            f"{config.kafka_bootstrap}{'' if servers.kafka is None else ', embedded'}; Redis "
+            f"{config.kafka.bootstrap}{'' if servers.kafka is None else ', embedded'}; Redis "
             f"{config.redis_url.rpartition('@')[2]}{'' if servers.redis is None else ', embedded'}"
             f"), {config.partitions} partitions"
         )
         # Rejections of this run only: the topic may hold earlier runs' on other servers.
         rejected_from = asyncio.run(
-            end_offsets(config.kafka_bootstrap, config.topics["rejected"], range(config.partitions))
+            end_offsets(config.kafka, config.topics["rejected"], range(config.partitions))
         )
         # As in production: each process under its own least-privilege Redis user, when
         # this run started the Redis server (and so administers it).
@@ -139,7 +140,7 @@ def run_stream(
             print(f"published records: {written:,} rows written to {published_out}")
         print(
             f"published records: topic {config.topics['published']} at "
-            f"{config.kafka_bootstrap}"
+            f"{config.kafka.bootstrap}"
             + (
                 f" (gone when this run ends{'' if config.windowed else ': use --published-out'})"
                 if servers.kafka
@@ -422,10 +423,10 @@ async def _read_topic(
     """The values of `topic`'s messages from `start` (partition: offset; default: the
     earliest), one per `identity`, until `expected` are read or TIMEOUT passes."""
     consumer = AIOKafkaConsumer(
-        *([topic] if start is None else []), bootstrap_servers=config.kafka_bootstrap,
+        *([topic] if start is None else []), **client_options(config.kafka),
         auto_offset_reset="earliest", enable_auto_commit=False,
     )  # fmt: skip
-    await consumer.start()
+    await start_client(consumer, config.kafka)
     records: dict[Hashable, bytes] = {}
     deadline = time.monotonic() + TIMEOUT
     try:

@@ -772,7 +772,7 @@ def seeded_bad_messages(
 def test_a_worker_rejects_fuzzed_messages_and_publishes_the_good_ones(servers, tmp_path):
     harness = Harness(servers, tmp_path, "adult-decoy.toml")
     config = harness.config
-    asyncio.run(create_topics(config.kafka_bootstrap, dict.fromkeys(config.topics.values(), 2)))
+    asyncio.run(create_topics(config.kafka, dict.fromkeys(config.topics.values(), 2)))
     rows = adult_rows(config)
     good = rows[:GOOD]
     bad = seeded_bad_messages(config.schema, [v for _, v in rows[GOOD : GOOD + BAD]], 6003)

@@ -286,7 +286,7 @@ def test_three_workers_and_two_consumers_on_a_redis_cluster_through_kills(
         reports={"fail_closed": []}, partitions=PARTITIONS,
     )  # fmt: skip
     config = harness.config
-    asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
+    asyncio.run(create_topics(config.kafka, config.topic_partitions))
     fleet = Fleet(harness, tmp_path, WORKERS, CONSUMERS)
     try:
         # On every node the consumer can neither list nor count keys (issue 30).
@@ -398,7 +398,7 @@ def test_a_worker_and_a_consumer_ride_through_a_master_failover(replicated_clust
     )  # fmt: skip
     config = harness.config
     cluster = replicated_cluster.redis
-    asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
+    asyncio.run(create_topics(config.kafka, config.topic_partitions))
     slot_key = f"splu:{{{config.name}:0}}"
     master = cluster.master_of(slot_key)
     fleet = Fleet(harness, tmp_path, workers=1, consumers=1, redis_url=master.url)

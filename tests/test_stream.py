@@ -49,7 +49,7 @@ def bad_messages(good: bytes) -> list[tuple[bytes, bytes]]:
 def test_stream_end_to_end_with_kills_and_replay(servers, tmp_path, example):
     harness = Harness(servers, tmp_path, example)
     config = harness.config
-    asyncio.run(create_topics(config.kafka_bootstrap, dict.fromkeys(config.topics.values(), 2)))
+    asyncio.run(create_topics(config.kafka, dict.fromkeys(config.topics.values(), 2)))
     rows = adult_rows(config)
     bad = bad_messages(rows[0][1])
     conflicts = [(key, rows[(i + 1) % 100][1]) for i, (key, _) in enumerate(rows[:10])]
@@ -150,7 +150,7 @@ def test_a_redis_outage_loses_nothing(servers, tmp_path):
     redis_server.start()
     harness = Harness(servers, tmp_path, "adult-decoy.toml", redis_url=redis_server.url)
     config = harness.config
-    asyncio.run(create_topics(config.kafka_bootstrap, dict.fromkeys(config.topics.values(), 2)))
+    asyncio.run(create_topics(config.kafka, dict.fromkeys(config.topics.values(), 2)))
     rows = adult_rows(config)
     harness.start_worker()
 

@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 from collections.abc import Collection, Iterator, Mapping
+from dataclasses import replace
 from typing import Any
 
 from service.client import ConsumerError, ask
@@ -22,7 +23,7 @@ from service.commands.common import (
     report_rejections,
     write_atomically,
 )
-from service.config import load_config
+from service.config import KAFKA_ENV, kafka_from_env, load_config
 from service.mechanisms.laplace import LaplaceCounts
 from service.mechanisms.laplace import _canonical as laplace_query_key
 from service.prf import ServiceKey
@@ -45,7 +46,7 @@ from service.reconstruct import PublishedCells, Query, QueryError, Reconstructio
 from service.table import csv_reader
 
 # Where `splu query --topic` finds Kafka without --bootstrap, as every stream command does.
-BOOTSTRAP_ENV = "KAFKA_BOOTSTRAP"
+BOOTSTRAP_ENV = KAFKA_ENV["bootstrap"]
 
 
 def _read_queries(
@@ -134,22 +135,25 @@ def _query_topic(args: argparse.Namespace) -> int:
     _refuse_options(args, "--topic: the stream's manifest decides")
     if args.read_topic is None:
         raise CommandError("--topic reads Kafka: run it as `splu query`")
-    bootstrap = args.bootstrap or os.environ.get(BOOTSTRAP_ENV)
-    if not bootstrap and args.config is not None:
-        bootstrap = load_config(args.config).kafka_bootstrap
-    if not bootstrap:
+    if args.config is not None:
+        kafka = load_config(args.config).kafka
+    elif args.bootstrap or os.environ.get(BOOTSTRAP_ENV):
+        kafka = kafka_from_env()
+    else:
         raise CommandError(
             f"--topic: give --bootstrap HOST:PORT, set {BOOTSTRAP_ENV} or name the stream's "
             "--config"
         )
+    if args.bootstrap:
+        kafka = replace(kafka, bootstrap=args.bootstrap)
     # The stream's name, also when given as its published topic.
     stream = args.topic.removesuffix(".published")
     lines = _query_lines(args.queries)
-    publication = args.read_topic(stream, bootstrap, args.confidence)
+    publication = args.read_topic(stream, kafka, args.confidence)
     answers = iter(publication.answer([obj for obj in lines if not isinstance(obj, _BadLine)]))
     held = f", {publication.held:,} more held until their unit is whole" if publication.held else ""
     source = (
-        f"from {stream} at {bootstrap} ({publication.records:,} published records{held}, "
+        f"from {stream} at {kafka.bootstrap} ({publication.records:,} published records{held}, "
         f"{publication.manifest.mechanism})"
     )
     return _write_answers(args, _merged(lines, answers), source)
@@ -377,8 +381,10 @@ def register(commands: Commands) -> None:
     query.add_argument(
         "--config", metavar="FILE",
         help="--published: the stream config the CSV was published with (`splu run "
-        "--published-out`), which decides mechanism and options; --topic: take the "
-        "bootstrap from it",
+        "--published-out`), which decides mechanism and options; --topic: take the Kafka "
+        "settings from its [kafka] (default: the KAFKA_* variables: KAFKA_BOOTSTRAP, "
+        "KAFKA_SECURITY_PROTOCOL, KAFKA_CA_FILE, KAFKA_SASL_MECHANISM, KAFKA_USERNAME, "
+        "KAFKA_PASSWORD...)",
     )  # fmt: skip
     add_delimiter_option(query)
     query.add_argument("--queries", required=True, help="JSONL file of queries (- for stdin)")
@@ -421,6 +427,6 @@ def register(commands: Commands) -> None:
         help="laplace: derive the noise from this seed (experiments only: anyone with the "
         "seed can remove it; default: a fresh random key); otherwise accepted and unused",
     )
-    # `read_topic(stream, bootstrap, confidence)` -> `service.manifest.Publication`: Kafka
+    # `read_topic(stream, kafka, confidence)` -> `service.manifest.Publication`: Kafka
     # lives above this layer, so the `splu` entry point supplies it (`streams/cli.py`).
     query.set_defaults(run=command_query, read_topic=None)
