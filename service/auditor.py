@@ -43,7 +43,8 @@ from service.privacy_tests import (
     eligibility,
     guarantees,
 )
-from service.running_counts import CellCodec, RunningCounts, stream_reconstruction
+from service.publication import stream_reconstruction
+from service.running_counts import CellCodec, RunningCounts
 
 # The message a failed test leaves in the pause flag.
 PAUSE_PREFIX = "privacy test failed: "

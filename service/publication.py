@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 import numpy as np
 
@@ -65,6 +65,9 @@ from service.reconstruct import (
 )
 from service.schema import Attribute, Schema, SchemaError
 from service.table import RawRows, Table, open_text, read_columns, read_rows
+
+if TYPE_CHECKING:  # the config reads this registry's options: no import at run time
+    from service.config import StreamConfig
 
 # The stream mechanisms (`splu demo`, `--url`); batch publication also has the others.
 MECHANISMS = ("decoy", "personal")
@@ -681,25 +684,44 @@ def reconstruction_of(
     )  # fmt: skip
 
 
+def stream_reconstruction(
+    config: StreamConfig, cells: PublishedCells, confidence: float = 0.95
+) -> Reconstruction:
+    """The reconstruction of a decoy or personal stream's publication, as its consumer
+    builds it and `splu query --config` answers from the stream's published records."""
+    if config.decoy is not None:
+        return DecoyReconstruction(
+            cells, config.decoy.gamma, config.sensitive, confidence=confidence
+        )
+    settings = config.personal
+    assert settings is not None
+    return PersonalReconstruction(
+        cells, config.sensitive[0], settings.retention, config.schema.sensitive[0].size,
+        lam=settings.lam, delta=settings.delta, budget=settings.budget,
+        value_map=settings.value_map, confidence=confidence, stream=True,
+    )  # fmt: skip
+
+
 def _read_text(path: str) -> str:
     with open_input(path) as stream:
         return stream.read()
 
 
-def _rows(text: str, path: str) -> RawRows:
-    raw = read_rows(io.StringIO(text, newline=""))
+def _rows(text: str, path: str, delimiter: str | None = None) -> RawRows:
+    raw = read_rows(io.StringIO(text, newline=""), delimiter)
     if raw.rejections:
         raise PublicationError(f"{path}: {raw.rejections[0]} (is it a published file?)")
     return raw
 
 
-def published_cells(text: str, path: str) -> PublishedCells:
+def published_cells(text: str, path: str, delimiter: str | None = None) -> PublishedCells:
     """A published CSV's rows aggregated into cells, each column's domain the values it
     shows in order of appearance (as `PublishedCells.from_rows`); split by Arrow where it
-    splits as the csv module does (`read_columns`), so a malformed line is refused alike."""
-    columns = read_columns(text)
+    splits as the csv module does (`read_columns`), so a malformed line is refused alike.
+    Without a `delimiter`, the header line's is sniffed."""
+    columns = read_columns(text, delimiter)
     if columns is None:
-        raw = _rows(text, path)
+        raw = _rows(text, path, delimiter)
         return PublishedCells.from_rows(raw.header, raw.rows)
     if columns.rejections:
         raise PublicationError(f"{path}: {columns.rejections[0]} (is it a published file?)")

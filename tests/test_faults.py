@@ -582,7 +582,7 @@ def test_crashes_and_replays_change_nothing_published(servers, tmp_path, mechani
     monitor.start()
     harness = Harness(servers, tmp_path, f"adult-{mechanism}.toml", redis_url=redis_server.url)
     config = harness.config
-    asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
+    asyncio.run(create_topics(config.kafka, config.topic_partitions))
     harness.start_worker()
     harness.start_consumer()
     try:
@@ -719,7 +719,7 @@ def test_a_kill_between_the_hops_loses_duplicates_and_rerandomizes_nothing(serve
     harness = Harness(servers, tmp_path, "adult-personal.toml")
     config = harness.config
     group = f"splu-{config.name}"
-    asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
+    asyncio.run(create_topics(config.kafka, config.topic_partitions))
     # Produced first: the worker's fetches are full, so the lost commit covers batches.
     asyncio.run(produce(config, iter(adult_rows(config)), progress=False))
     topic = config.topics[hop]
