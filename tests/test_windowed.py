@@ -377,6 +377,7 @@ def test_windowed_stream_publishes_each_record_once_through_a_kill(servers, tmp_
     rows = rows_of(config)[:STREAMED]
     harness.start_worker()
     seen = Observed()
+    dead = asyncio.Event()  # set once the worker is killed
 
     async def crash_after_staging(
         client: aioredis.Redis, buffer: WindowBuffer, producing: asyncio.Task
@@ -412,6 +413,7 @@ def test_windowed_stream_publishes_each_record_once_through_a_kill(servers, tmp_
             await producer.stop()
         harness.worker.kill()
         seen.produced_at_kill = not producing.done()
+        dead.set()
         await snapshot(client, buffer, seen)
         harness.start_worker()
         await buffer.pause(None)
@@ -422,15 +424,21 @@ def test_windowed_stream_publishes_each_record_once_through_a_kill(servers, tmp_
         killed = False
         deadline = time.monotonic() + STREAM_TIMEOUT
         try:
-            # A few records first, until the worker has joined; then the rest at a pace
-            # that leaves records to arrive after the kill.
+            # A few records first, until the worker has joined; then the rest at a pace,
+            # half of them only once the worker is dead, so that records arrive after the
+            # kill however fast the machine runs.
             await produce(config, iter(rows[:WARM_UP]), progress=False)
             while (await buffer.totals()).get("ingested", 0) < WARM_UP:
                 assert time.monotonic() < deadline, "the worker should start"
                 await asyncio.sleep(0.1)
-            producing = asyncio.create_task(
-                produce(config, iter(rows[WARM_UP:]), rate=1500, progress=False)
-            )
+
+            async def around_the_kill() -> None:
+                half = STREAMED // 2
+                await produce(config, iter(rows[WARM_UP:half]), rate=1500, progress=False)
+                await dead.wait()
+                await produce(config, iter(rows[half:]), rate=1500, progress=False)
+
+            producing = asyncio.create_task(around_the_kill())
             while time.monotonic() < deadline:
                 await snapshot(client, buffer, seen)
                 totals = await buffer.totals()
