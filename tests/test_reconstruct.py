@@ -48,7 +48,7 @@ def test_closed_form_solves_the_kronecker_model_exactly(w):
     ]
     cells = PublishedCells.from_codes(columns, domains, codes)
     query = Query({"p": ("yes",)}, {f"s{k}": "hit" for k in range(w)})
-    reconstruction = DecoyReconstruction(cells, gamma, columns[1:], clip=False)
+    reconstruction = DecoyReconstruction(cells, gamma, columns[1:], matrix="corrected", clip=False)
     estimate = reconstruction.estimate(query)
 
     y = reconstruction._states([query], columns[1:])[0]
@@ -67,10 +67,13 @@ def test_iterative_method_reaches_the_closed_form_at_an_interior_point():
     table = synthetic_table(SHARES, 8000, seed=1)
     cells = PublishedCells.from_table(publish(table, seed=3))
     queries, _ = all_queries(table)
-    closed = DecoyReconstruction(cells, 5, ["s"], clip=False).estimate_many(queries)
+    closed = DecoyReconstruction(cells, 5, ["s"], matrix="corrected", clip=False).estimate_many(
+        queries
+    )
     iterative = DecoyReconstruction(
-        cells, 5, ["s"], method="iterative", tolerance=1e-7, max_iterations=200_000
-    ).estimate_many(queries)
+        cells, 5, ["s"], method="iterative", matrix="corrected", tolerance=1e-7,
+        max_iterations=200_000,
+    ).estimate_many(queries)  # fmt: skip
     interior = [c.estimate > 1 for c in closed]
     assert sum(interior) > len(queries) // 2
     for c, i, inside in zip(closed, iterative, interior, strict=True):
