@@ -153,14 +153,14 @@ def small_queries(table: Table, wanted: int, seed: int) -> list[Query]:
     return [queries[i] for i in np.sort(picked)]
 
 
-def true_counts(table: Table, queries: Sequence[Query]) -> np.ndarray:
+def true_counts(table: Table, queries: Sequence[Query], sensitive: str = SENSITIVE) -> np.ndarray:
     """Each query's count on `table` (its true values)."""
     cells = PublishedCells.from_table(table)
-    column = cells.column[SENSITIVE]
+    column = cells.column[sensitive]
     return np.asarray(
         [
             cells.weights[
-                cells.predicate(q.where) & (column == cells.code(SENSITIVE, q.value[SENSITIVE]))
+                cells.predicate(q.where) & (column == cells.code(sensitive, q.value[sensitive]))
             ].sum()
             for q in queries
         ]
@@ -234,21 +234,28 @@ def replay_decoy_stream(
     return groups
 
 
-def publish_decoy_stream(table: Table, key: ServiceKey, setting: Setting) -> Published:
-    """The replay of one stream partition, records in a random order; each member
-    publishes its group's value at a uniform draw index."""
-    rng = np.random.default_rng(int.from_bytes(key.subkey("stream replay")[:8], "little"))
+def stream_publication(
+    table: Table, sensitive: str, gamma: int, batch: int, rng: np.random.Generator
+) -> Published:
+    """A stream partition's publication of `table` (one sensitive attribute), replayed:
+    records in a random order, groups by `replay_decoy_stream`, each member publishing
+    its group's value at a uniform draw index."""
     order = rng.permutation(len(table))
-    groups = replay_decoy_stream(table.codes[SENSITIVE][order], GAMMA, setting.stream_batch, rng)
-    members = order[np.asarray(groups, dtype=np.int64).reshape(-1, GAMMA)]
-    values = table.codes[SENSITIVE][members]  # each row in code order
-    drawn = np.take_along_axis(values, rng.integers(0, GAMMA, members.shape), axis=1)
+    groups = replay_decoy_stream(table.codes[sensitive][order], gamma, batch, rng)
+    members = order[np.asarray(groups, dtype=np.int64).reshape(-1, gamma)]
+    values = table.codes[sensitive][members]  # each row in code order
+    drawn = np.take_along_axis(values, rng.integers(0, gamma, members.shape), axis=1)
     kept = np.zeros(len(table), dtype=bool)
     kept[members.ravel()] = True
     rows = members.ravel()
     codes = {name: column[rows] for name, column in table.codes.items()}
-    codes[SENSITIVE] = drawn.ravel().astype(table.codes[SENSITIVE].dtype)
+    codes[sensitive] = drawn.ravel().astype(table.codes[sensitive].dtype)
     return Published(Table(table.schema, codes), kept)
+
+
+def publish_decoy_stream(table: Table, key: ServiceKey, setting: Setting) -> Published:
+    rng = np.random.default_rng(int.from_bytes(key.subkey("stream replay")[:8], "little"))
+    return stream_publication(table, SENSITIVE, GAMMA, setting.stream_batch, rng)
 
 
 def publish_personal_batch(table: Table, key: ServiceKey, setting: Setting) -> Published:

@@ -82,6 +82,7 @@ class Mixing:
     """The transition model of one sensitive attribute, over the values published.
 
     values: codes of the values with a published count (the model's states).
+    counts: their published counts.
     matrix: M[s′, s], the probability that a record of s′ publishes s.
     inverse: M⁻¹; column s holds the weights of the estimate of "P ∧ s".
     derivative: ∂M/∂f′_i as derivative[i], each (k, k).
@@ -90,10 +91,23 @@ class Mixing:
     """
 
     values: np.ndarray
+    counts: np.ndarray
     matrix: np.ndarray
     inverse: np.ndarray
     derivative: np.ndarray
     capped: bool
+
+    def amplification(self) -> np.ndarray:
+        """Per value, how much a conjunctive count on it amplifies the noise of the
+        published counts: the weight of "published s" less the mean weight of the other
+        published values in its estimate, w_s − Σ_{j≠s} f_j·w_j / Σ_{j≠s} f_j (w = column
+        s of M⁻¹). Under uniform mixing this is the 2×2 model's 1/(1/γ − t_s); infinite
+        when the attribute is capped."""
+        if self.capped:
+            return np.full(len(self.values), np.inf)
+        own = np.diag(self.inverse)
+        others = self.counts.sum() - self.counts
+        return own - (self.counts @ self.inverse - self.counts * own) / others
 
 
 def transition_model(counts: Sequence[float], gamma: int, grouping: str) -> Mixing:
@@ -112,12 +126,12 @@ def transition_model(counts: Sequence[float], gamma: int, grouping: str) -> Mixi
     if capped:
         # Every group holds every value (k = γ) or one value sits in all of them.
         nan = np.full((k, k), np.nan)
-        return Mixing(values, nan, nan, np.full((k, k, k), np.nan), True)
+        return Mixing(values, f, nan, nan, np.full((k, k, k), np.nan), True)
     if grouping == "size-weighted":
         matrix, derivative = _size_weighted(f, gamma)
     else:
         matrix, derivative = _largest_first(f, gamma)
-    return Mixing(values, matrix, np.linalg.inv(matrix), derivative, False)
+    return Mixing(values, f, matrix, np.linalg.inv(matrix), derivative, False)
 
 
 def partner_weights(counts: np.ndarray, gamma: int) -> np.ndarray:

@@ -506,7 +506,9 @@ class RunningCounts:
 def stream_reconstruction(config: StreamConfig, cells: PublishedCells) -> Reconstruction:
     """The reconstruction `splu query` would use for this stream's publication."""
     if config.decoy is not None:
-        return DecoyReconstruction(cells, config.decoy.gamma, config.sensitive)
+        return DecoyReconstruction(
+            cells, config.decoy.gamma, config.sensitive, grouping=config.decoy.grouping
+        )
     settings = config.personal
     assert settings is not None
     return PersonalReconstruction(
