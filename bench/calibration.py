@@ -63,8 +63,14 @@ from dataclasses import dataclass
 import numpy as np
 from report import log, print_table, status
 
+from service.guarantees import budget_epoch, epoch_level, share_upper_bound, trial_limit
 from service.mechanisms.decoy import GROUPINGS, DecoyGroups
-from service.mechanisms.personal import PersonalGroups, PersonalRelease
+from service.mechanisms.personal import (
+    GroupAudit,
+    PersonalGroups,
+    PersonalRelease,
+    UniformPerturbation,
+)
 from service.merge import ValueMap, fit_value_map
 from service.prf import ServiceKey, random_ids
 from service.reconstruct import (
@@ -88,6 +94,8 @@ ROWS = (45_222, 300_000, 1_000_000)
 PUBLICATIONS = {45_222: 100, 300_000: 40, 1_000_000: 40}
 # Raw records per worker call: a stream config's default batch_size.
 STREAM_BATCH = 2000
+# Records a personal group buffers before a release: a stream config's default.
+RELEASE_SIZE = 100
 
 
 @dataclass(frozen=True)
@@ -274,9 +282,101 @@ def personal_stream(replay: Callable[[Table, ServiceKey, Setting], PersonalRelea
     return publish
 
 
-# Personal stream: a Python replay of service/lua/personal.lua's trial rule, a function
-# (table, key, setting) -> PersonalRelease, plugs in here as personal_stream(replay).
-STREAM_REPLAYS: dict[str, Publisher | None] = {"decoy": publish_decoy_stream, "personal": None}
+def replay_personal_stream(table: Table, key: ServiceKey, setting: Setting) -> PersonalRelease:
+    """`service/lua/personal.lua`'s trials replayed in Python, bounded budget (the stream's
+    default), records of each personal group arriving in a random order.
+
+    A group's records are buffered and released RELEASE_SIZE at a time (and the rest at
+    the close). Each release plans the group's trial limit once, from its counts so far:
+    with e = ⌊log₂ records⌋, a new epoch's bound b = share_upper_bound(largest, records,
+    α/((e + 1)(e + 2))); a frequency above b, or trials above ⌊s_g(f)⌋, freezes the group
+    (no trials from then on); otherwise the limit is ⌊s_g(b)⌋. A released record is a
+    trial (its own perturbed value) while trials < limit; else a copy of a trial of its
+    value, round robin; with no trial of its value, a borrowed copy of the values with
+    trials, round robin over them in code order.
+    """
+    mechanism = PersonalGroups(RETENTION, LAMBDA, DELTA, "adaptive", setting.value_map)
+    values = table.codes[SENSITIVE].astype(np.int64)
+    m = table.schema[SENSITIVE].size
+    ids = random_ids(len(table), key)
+    perturbed = UniformPerturbation(RETENTION, m).perturb(values, ids, key, SENSITIVE)
+    group_of_row, labels = mechanism.groups(table)
+    arrival = np.random.default_rng(
+        int.from_bytes(key.subkey("personal stream replay")[:8], "little")
+    ).permutation(len(table))
+    published = np.empty(len(table), dtype=np.int64)
+    sampled = np.zeros(len(table), dtype=bool)
+    state: dict[int, dict] = {}
+    borrowed = 0
+
+    def release(group: dict) -> None:
+        nonlocal borrowed
+        largest, total = max(group["counts"]), sum(group["counts"])
+        frequency = largest / total
+        epoch = budget_epoch(total)
+        if group["frozen"]:
+            limit = 0
+        else:
+            if epoch > group["epoch"]:
+                group["epoch"] = epoch
+                group["bound"] = float(share_upper_bound(largest, total, epoch_level(epoch)))
+            limit_now = math.floor(trial_limit(frequency, RETENTION, m, LAMBDA, DELTA))
+            if frequency > group["bound"] or group["trials"] > limit_now:
+                group["frozen"] = True
+                limit = 0
+            else:
+                limit = math.floor(trial_limit(group["bound"], RETENTION, m, LAMBDA, DELTA))
+        for row in group["buffer"]:
+            value = int(values[row])
+            if group["trials"] < limit:
+                group["trials"] += 1
+                group["tried"].setdefault(value, []).append(int(perturbed[row]))
+                published[row], sampled[row] = perturbed[row], True
+                continue
+            source = value
+            if source not in group["tried"]:
+                with_trials = sorted(group["tried"])
+                source = with_trials[group["borrows"] % len(with_trials)]
+                group["borrows"] += 1
+                borrowed += 1
+            trials = group["tried"][source]
+            turn = group["copies"].get(source, 0)
+            group["copies"][source] = turn + 1
+            published[row] = trials[turn % len(trials)]
+        group["buffer"] = []
+
+    for row in arrival.tolist():
+        group = state.setdefault(
+            int(group_of_row[row]),
+            {
+                "buffer": [], "counts": [0] * m, "trials": 0, "tried": {}, "copies": {},
+                "borrows": 0, "epoch": -1, "bound": 1.0, "frozen": False,
+            },
+        )  # fmt: skip
+        group["buffer"].append(row)
+        group["counts"][int(values[row])] += 1
+        if len(group["buffer"]) >= RELEASE_SIZE:
+            release(group)
+    for group in state.values():
+        if group["buffer"]:
+            release(group)
+
+    plain = mechanism.audit(table)
+    trials = np.bincount(group_of_row[sampled], minlength=len(labels))
+    audit = GroupAudit(labels, plain.sizes, plain.max_frequency, plain.limit, trials)
+    codes = {**table.codes, SENSITIVE: published.astype(table.codes[SENSITIVE].dtype)}
+    return PersonalRelease(
+        Table(table.schema, codes), plain, audit, int(sampled.sum()), borrowed, group_of_row,
+        sampled,
+    )  # fmt: skip
+
+
+# A replay of each stream mechanism; the personal one is `replay_personal_stream`, which a
+# replay of another trial rule replaces here.
+STREAM_REPLAYS: dict[str, Publisher | None] = {
+    "decoy": publish_decoy_stream,
+    "personal": personal_stream(replay_personal_stream),
+}
 PUBLISHERS: dict[tuple[str, str], Publisher | None] = {
     ("decoy", "batch"): publish_decoy_batch,
     ("decoy", "stream"): STREAM_REPLAYS["decoy"],

@@ -257,6 +257,37 @@ def test_value_at_the_eligibility_bound_is_not_identifiable():
     assert (estimate.low, estimate.high) == (0.0, 500.0)
 
 
+def test_a_value_in_every_group_leaves_no_conjunction_identifiable():
+    """s0 at N/γ sits in every group: its records publish exactly as an average record of
+    the other values, so no "P ∧ s" is identifiable, s0 or not (the 2×2 model answers
+    the others)."""
+    columns, domains = ["a", "s"], {"a": ["x", "y"], "s": [f"s{i}" for i in range(8)]}
+    s = np.repeat(np.arange(8), [400, 300, 300, 250, 250, 200, 150, 150])  # 400 = 2000/5
+    a = np.tile([0, 1], 1000)
+    cells = PublishedCells.from_codes(columns, domains, [a, s])
+    query = Query({"a": ("x",)}, {"s": "s3"})
+    assert not DecoyReconstruction(cells, 5, ["s"]).estimate(query).identifiable
+    assert DecoyReconstruction(cells, 5, ["s"], matrix="corrected").estimate(query).identifiable
+
+
+def test_an_interval_wider_than_the_feasible_range_is_declined():
+    """A value at 19% of the rows with γ = 5 (its estimate amplified about 80 times):
+    its conjunction with a 5% predicate would have an interval far wider than |P|, so
+    it is declined: the proportional share, in [0, |P|]. The rarest value is answered."""
+    shares = [0.19, 0.15, 0.14, 0.12, 0.11, 0.1, 0.09, 0.06, 0.04]
+    table = synthetic_table(shares, 45_000, public_values=20, seed=12)
+    cells = PublishedCells.from_table(publish(table, seed=13))
+    reconstruction = DecoyReconstruction(cells, 5, ["s"])
+    rare = Query({"a": ("a7",)}, {"s": "s0"})
+    declined = reconstruction.estimate(rare)
+    rows = declined.predicate_rows
+    assert not declined.identifiable and rows < 0.1 * len(table)
+    assert (declined.low, declined.high) == (0.0, float(rows))
+    share = (cells.column["s"] == cells.code("s", "s0")) @ cells.weights / cells.total
+    assert declined.estimate == pytest.approx(rows * share)
+    assert reconstruction.estimate(Query({"a": ("a7",)}, {"s": "s8"})).identifiable
+
+
 def test_public_only_query_is_exact():
     table = synthetic_table(SHARES, 2000, seed=10)
     published = publish(table, seed=11)
