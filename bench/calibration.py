@@ -37,8 +37,9 @@ Per row of the table: coverage of the answers given (identifiable ones) with its
 standard error over publications (queries of one publication share one draw, so
 their coverage moves together: the error is that of the mean of per-publication
 coverages), the worst query's coverage over the publications, the mean relative
-error |estimate − true| / true of every answer (declined ones answer |P|·f′_s/N),
-and the share declined as not identifiable (interval wider than [0, |P|]).
+error |estimate − true| / true of every answer (declined ones answer |P|·f′_s/N)
+with its standard error over publications, and the share declined as not
+identifiable (interval wider than [0, |P|]).
 
 Run from the repository root (the full run takes tens of minutes on 2 cores):
 
@@ -286,8 +287,9 @@ def replay_personal_stream(table: Table, key: ServiceKey, setting: Setting) -> P
     """`service/lua/personal.lua`'s trials replayed in Python, bounded budget (the stream's
     default), records of each personal group arriving in a random order.
 
-    A group's records are buffered and released RELEASE_SIZE at a time (and the rest at
-    the close). Each release plans the group's trial limit once, from its counts so far:
+    A group's records are buffered and released RELEASE_SIZE at a time (the script
+    releases at the end of a worker call, so a release there may hold a few more), and
+    the rest at the close. Each release plans the group's trial limit once, from its counts so far:
     with e = ⌊log₂ records⌋, a new epoch's bound b = share_upper_bound(largest, records,
     α/((e + 1)(e + 2))); a frequency above b, or trials above ⌊s_g(f)⌋, freezes the group
     (no trials from then on); otherwise the limit is ⌊s_g(b)⌋. A released record is a
@@ -498,7 +500,8 @@ def run_case(
 
 
 def summary(answers: Answers) -> list[str]:
-    """coverage ± SE over publications, worst query, mean relative error, declined."""
+    """coverage ± SE over publications, worst query, mean relative error ± SE over
+    publications, declined."""
     given = ~answers.declined
     counted = given.sum(axis=1)
     per_publication = np.where(counted > 0, (answers.covered & given).sum(axis=1), 0) / np.maximum(
@@ -511,10 +514,12 @@ def summary(answers: Answers) -> list[str]:
     per_query_given = given.sum(axis=0)
     per_query = (answers.covered & given).sum(axis=0) / np.maximum(per_query_given, 1)
     worst = float(per_query[per_query_given > 0].min()) if per_query_given.any() else math.nan
+    error = np.nanmean(answers.error, axis=1)
+    error_spread = float(np.std(error, ddof=1)) if publications > 1 else math.nan
     return [
         f"{coverage:.3f} ± {spread / math.sqrt(publications):.3f}" if counted.sum() else "–",
         f"{worst:.2f}" if per_query_given.any() else "–",
-        f"{np.nanmean(answers.error):.3f}",
+        f"{error.mean():.3f} ± {error_spread / math.sqrt(publications):.3f}",
         f"{answers.declined.mean():.1%}",
     ]
 

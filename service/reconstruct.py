@@ -428,16 +428,16 @@ class DecoyReconstruction(Reconstruction):
             return np.where(f < n, (g - 1) * f / (g * (n - f)), np.inf)
 
     def _solve(self, queries: Sequence[Query], columns: list[str]) -> list[Estimate]:
-        y = self._states(queries, columns)
-        half = y.shape[1] // 2
-        rows = y[:, half:].sum(axis=1)
-        published = y[:, -1].astype(np.int64)
         n = float(self.cells.total)
-        f = y @ _state_bits(len(columns), y.shape[1])  # published count of each s_k
         iterations = np.zeros(len(queries), dtype=np.int64)
         if self.matrix == "mixing":
-            values, low, high, identifiable = self._mixing(queries, columns, rows)
+            values, low, high, identifiable, published, rows, f = self._mixing(queries, columns)
         else:
+            y = self._states(queries, columns)
+            half = y.shape[1] // 2
+            rows = y[:, half:].sum(axis=1)
+            published = y[:, -1].astype(np.int64)
+            f = y @ _state_bits(len(columns), y.shape[1])  # published count of each s_k
             t = self._off_diagonal(f, n)
             identifiable = (1.0 / self.gamma - t > 0).all(axis=1)
             if self.method == "iterative":
@@ -477,11 +477,11 @@ class DecoyReconstruction(Reconstruction):
         """The identifiability rule: the interval is narrower than [0, |P|]."""
         return 2 * self._z * np.sqrt(np.clip(variance, 0, None)) < rows
 
-    def _mixing(
-        self, queries: Sequence[Query], columns: list[str], rows: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """x̂_{P,s} = ⟨y_P, ⊗_k W_k⟩ and its delta-method variance (module docstring), with
-        the identifiability rule; queries naming a value never published answer 0."""
+    def _mixing(self, queries: Sequence[Query], columns: list[str]) -> tuple[np.ndarray, ...]:
+        """x̂_{P,s} = ⟨y_P, ⊗_k W_k⟩ and its delta-method interval (module docstring), with
+        the identifiability rule; queries naming a value never published answer 0. Returns
+        estimates, lows, highs, identifiable, then each query's published count, |P| and
+        the published count of each of its values (Q, w)."""
         cells = self.cells
         models = [self.model(c) for c in columns]
         sizes = [len(m.values) for m in models]
@@ -502,8 +502,13 @@ class DecoyReconstruction(Reconstruction):
             inside[q] = np.bincount(joint[mask], weights=cells.weights[mask], minlength=len(total))
         y_inside = inside.reshape(shape)
         y_outside = (total[None, :] - inside).reshape(shape)
-
+        rows = inside.sum(axis=1)
         absent = (chosen < 0).any(axis=1)
+        cell = np.ravel_multi_index(tuple(np.where(chosen < 0, 0, chosen).T), sizes)
+        published = np.where(absent, 0, inside[np.arange(len(queries)), cell]).astype(np.int64)
+        counts = np.column_stack(
+            [np.where(c < 0, 0.0, m.counts[c]) for c, m in zip(chosen.T, models, strict=True)]
+        )
         capped = np.full(len(queries), any(m.capped for m in models))
         solvable = ~absent & ~capped
         values, variance = np.zeros(len(queries)), np.zeros(len(queries))
@@ -520,7 +525,7 @@ class DecoyReconstruction(Reconstruction):
             values[absent], low[absent] = 0.0, 0.0
             high[absent] = np.minimum(rows[absent], bound)
             identifiable |= absent & ~capped
-        return values, low, high, identifiable
+        return values, low, high, identifiable, published, rows, counts
 
     def _closed_form(
         self, y_predicate: np.ndarray, t: np.ndarray, rows: np.ndarray, identifiable: np.ndarray

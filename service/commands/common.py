@@ -290,8 +290,9 @@ def add_mechanism_options(parser: argparse.ArgumentParser, reconstruction: bool)
         decoy.add_argument(
             "--grouping",
             choices=GROUPINGS,
-            help="the publication's cutting rule (default size-weighted, every stream's; "
-            "anatomy for `splu publish --grouping anatomy`): the mixing model is its",
+            help="the cutting rule the publication was grouped by, which the mixing model "
+            "follows: size-weighted (default, every stream's) or anatomy (`splu publish "
+            "--grouping anatomy`)",
         )
         decoy.add_argument(
             "--method",
