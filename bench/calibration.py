@@ -573,7 +573,8 @@ def main() -> None:
     rows_out = []
     for rows in args.rows:
         table = resample(base, rows, args.seed)
-        bands = {"large": large, "small": small_queries(table, args.small, args.seed)}
+        small = small_queries(table, args.small, args.seed)
+        bands = {"large": large, **({"small": small} if small else {})}
         publications = args.publications or PUBLICATIONS.get(rows, 40)
         cases = [
             Case(rows, mechanism, mode, grouping)
