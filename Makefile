@@ -2,9 +2,10 @@
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
-# Two test processes, each file's tests in one of them: the stream tests mostly wait on
-# joins and timers, so two halve the wall time on a 2-core machine (-n 0 runs serially).
-PYTEST_PARALLEL ?= -n 2 --dist loadfile
+# Three test processes, each file's tests in one of them: the stream tests mostly wait on
+# group joins and timers, so a third process keeps both cores of a 2-core machine busy
+# (-n 0 runs serially).
+PYTEST_PARALLEL ?= -n 3 --dist loadfile
 
 .PHONY: demo test bench evaluation
 

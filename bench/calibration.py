@@ -27,8 +27,10 @@ Adult resampled to each N, over many publications:
     end is suppressed (no record waits past max_wait in a stream this fast);
   - personal batch: `PersonalGroups.publish` (SPS, p = 0.5, λ = δ = 0.3, adaptive
     budget, merge map fitted on the resampled table, as `splu publish` does);
-  - personal stream: `STREAM_REPLAYS["personal"]`, a Python replay of
-    `service/lua/personal.lua`'s trials (bounded budget, the stream's default).
+  - personal stream: `PersonalStream` (`service/mechanisms/personal_stream.py`), the
+    replay of `service/lua/personal.lua`'s reserve trials that a test holds against
+    the script (bounded budget, the stream's default), records in random order;
+  - --budgets conservative adds the personal budget planned with f = 1.
 - estimators, side by side: decoy's 2×2 model (``matrix="corrected"``, t = (γ−1)f/(γ(N−f)))
   and the m×m model of the cutting rule (``matrix="mixing"``, `service.mixing`, the
   default); personal's SPS interval.
@@ -64,14 +66,9 @@ from dataclasses import dataclass
 import numpy as np
 from report import log, print_table, status
 
-from service.guarantees import budget_epoch, epoch_level, share_upper_bound, trial_limit
 from service.mechanisms.decoy import GROUPINGS, DecoyGroups
-from service.mechanisms.personal import (
-    GroupAudit,
-    PersonalGroups,
-    PersonalRelease,
-    UniformPerturbation,
-)
+from service.mechanisms.personal import BUDGETS, STREAM_BUDGETS, PersonalGroups
+from service.mechanisms.personal_stream import PersonalStream
 from service.merge import ValueMap, fit_value_map
 from service.prf import ServiceKey, random_ids
 from service.reconstruct import (
@@ -114,6 +111,7 @@ class Setting:
     grouping: str
     stream_batch: int
     value_map: ValueMap | None
+    budget: str
 
 
 Publisher = Callable[[Table, ServiceKey, Setting], Published]
@@ -268,124 +266,32 @@ def publish_decoy_stream(table: Table, key: ServiceKey, setting: Setting) -> Pub
 
 
 def publish_personal_batch(table: Table, key: ServiceKey, setting: Setting) -> Published:
-    mechanism = PersonalGroups(RETENTION, LAMBDA, DELTA, "adaptive", setting.value_map)
+    mechanism = PersonalGroups(RETENTION, LAMBDA, DELTA, setting.budget, setting.value_map)
     release = mechanism.publish(table, random_ids(len(table), key), key)
     return Published(release.published, np.ones(len(table), dtype=bool))
 
 
-def personal_stream(replay: Callable[[Table, ServiceKey, Setting], PersonalRelease]) -> Publisher:
-    """A publication function from a replay of the personal stream returning its release."""
-
-    def publish(table: Table, key: ServiceKey, setting: Setting) -> Published:
-        release = replay(table, key, setting)
-        return Published(release.published, np.ones(len(table), dtype=bool))
-
-    return publish
-
-
-def replay_personal_stream(table: Table, key: ServiceKey, setting: Setting) -> PersonalRelease:
-    """`service/lua/personal.lua`'s trials replayed in Python, bounded budget (the stream's
-    default), records of each personal group arriving in a random order.
-
-    A group's records are buffered and released RELEASE_SIZE at a time (the script
-    releases at the end of a worker call, so a release there may hold a few more), and
-    the rest at the close. Each release plans the group's trial limit once, from its counts so far:
-    with e = ⌊log₂ records⌋, a new epoch's bound b = share_upper_bound(largest, records,
-    α/((e + 1)(e + 2))); a frequency above b, or trials above ⌊s_g(f)⌋, freezes the group
-    (no trials from then on); otherwise the limit is ⌊s_g(b)⌋. A released record is a
-    trial (its own perturbed value) while trials < limit; else a copy of a trial of its
-    value, round robin; with no trial of its value, a borrowed copy of the values with
-    trials, round robin over them in code order.
-    """
-    mechanism = PersonalGroups(RETENTION, LAMBDA, DELTA, "adaptive", setting.value_map)
-    values = table.codes[SENSITIVE].astype(np.int64)
-    m = table.schema[SENSITIVE].size
-    ids = random_ids(len(table), key)
-    perturbed = UniformPerturbation(RETENTION, m).perturb(values, ids, key, SENSITIVE)
-    group_of_row, labels = mechanism.groups(table)
+def publish_personal_stream(table: Table, key: ServiceKey, setting: Setting) -> Published:
+    """`PersonalStream`, the replay of personal.lua's trial rule that
+    tests/test_personal_stream_replay.py holds against the script, with the records
+    arriving in a random order."""
+    stream = PersonalStream(
+        RETENTION, LAMBDA, DELTA, setting.budget, setting.value_map, release_size=RELEASE_SIZE
+    )
     arrival = np.random.default_rng(
         int.from_bytes(key.subkey("personal stream replay")[:8], "little")
     ).permutation(len(table))
-    published = np.empty(len(table), dtype=np.int64)
-    sampled = np.zeros(len(table), dtype=bool)
-    state: dict[int, dict] = {}
-    borrowed = 0
-
-    def release(group: dict) -> None:
-        nonlocal borrowed
-        largest, total = max(group["counts"]), sum(group["counts"])
-        frequency = largest / total
-        epoch = budget_epoch(total)
-        if group["frozen"]:
-            limit = 0
-        else:
-            if epoch > group["epoch"]:
-                group["epoch"] = epoch
-                group["bound"] = float(share_upper_bound(largest, total, epoch_level(epoch)))
-            limit_now = math.floor(trial_limit(frequency, RETENTION, m, LAMBDA, DELTA))
-            if frequency > group["bound"] or group["trials"] > limit_now:
-                group["frozen"] = True
-                limit = 0
-            else:
-                limit = math.floor(trial_limit(group["bound"], RETENTION, m, LAMBDA, DELTA))
-        for row in group["buffer"]:
-            value = int(values[row])
-            if group["trials"] < limit:
-                group["trials"] += 1
-                group["tried"].setdefault(value, []).append(int(perturbed[row]))
-                published[row], sampled[row] = perturbed[row], True
-                continue
-            source = value
-            if source not in group["tried"]:
-                with_trials = sorted(group["tried"])
-                source = with_trials[group["borrows"] % len(with_trials)]
-                group["borrows"] += 1
-                borrowed += 1
-            trials = group["tried"][source]
-            turn = group["copies"].get(source, 0)
-            group["copies"][source] = turn + 1
-            published[row] = trials[turn % len(trials)]
-        group["buffer"] = []
-
-    for row in arrival.tolist():
-        group = state.setdefault(
-            int(group_of_row[row]),
-            {
-                "buffer": [], "counts": [0] * m, "trials": 0, "tried": {}, "copies": {},
-                "borrows": 0, "epoch": -1, "bound": 1.0, "frozen": False,
-            },
-        )  # fmt: skip
-        group["buffer"].append(row)
-        group["counts"][int(values[row])] += 1
-        if len(group["buffer"]) >= RELEASE_SIZE:
-            release(group)
-    for group in state.values():
-        if group["buffer"]:
-            release(group)
-
-    plain = mechanism.audit(table)
-    trials = np.bincount(group_of_row[sampled], minlength=len(labels))
-    audit = GroupAudit(labels, plain.sizes, plain.max_frequency, plain.limit, trials)
-    codes = {**table.codes, SENSITIVE: published.astype(table.codes[SENSITIVE].dtype)}
-    return PersonalRelease(
-        Table(table.schema, codes), plain, audit, int(sampled.sum()), borrowed, group_of_row,
-        sampled,
-    )  # fmt: skip
+    release = stream.publish(table, random_ids(len(table), key), key, order=arrival)
+    return Published(release.published, np.ones(len(table), dtype=bool))
 
 
-# A replay of each stream mechanism; the personal one is `replay_personal_stream`, which a
-# replay of another trial rule replaces here.
-STREAM_REPLAYS: dict[str, Publisher | None] = {
-    "decoy": publish_decoy_stream,
-    "personal": personal_stream(replay_personal_stream),
-}
-PUBLISHERS: dict[tuple[str, str], Publisher | None] = {
+PUBLISHERS: dict[tuple[str, str], Publisher] = {
     ("decoy", "batch"): publish_decoy_batch,
-    ("decoy", "stream"): STREAM_REPLAYS["decoy"],
+    ("decoy", "stream"): publish_decoy_stream,
     ("personal", "batch"): publish_personal_batch,
-    ("personal", "stream"): STREAM_REPLAYS["personal"],
+    ("personal", "stream"): publish_personal_stream,
 }
-# The personal budget each mode's estimator assumes: the batch's default and the stream's.
+# Each mode's default personal budget: the batch's and the stream's.
 PERSONAL_BUDGET = {"batch": "adaptive", "stream": "bounded"}
 
 
@@ -405,16 +311,27 @@ def estimators(
             for label, matrix in (("2×2", "corrected"), ("m×m", "mixing"))
         }
     assert value_map is not None
-    budget, size = PERSONAL_BUDGET[mode], len(value_map.sensitive_domain)
+    size = len(value_map.sensitive_domain)
     return {
         "SPS": lambda cells: PersonalReconstruction(
-            cells, SENSITIVE, RETENTION, size, LAMBDA, DELTA, budget, value_map
+            cells,
+            SENSITIVE,
+            RETENTION,
+            size,
+            LAMBDA,
+            DELTA,
+            grouping,
+            value_map,
+            stream=mode == "stream",
         )
     }
 
 
 @dataclass(frozen=True)
 class Case:
+    """One line of cases: `grouping` is a decoy case's cutting rule, a personal case's
+    budget."""
+
     rows: int
     mechanism: str
     mode: str
@@ -443,7 +360,6 @@ def one_publication(index: int) -> dict[str, tuple[np.ndarray, ...]]:
     setting: Setting = _shared["setting"]  # type: ignore[assignment]
     seed: int = _shared["seed"]  # type: ignore[assignment]
     publisher = PUBLISHERS[(case.mechanism, case.mode)]
-    assert publisher is not None
     key = ServiceKey.from_seed(seed * 1_000_003 + case.rows + index)
     published = publisher(table, key, setting)
     truth = true_counts(table.take(published.kept), queries)
@@ -464,6 +380,13 @@ def one_publication(index: int) -> dict[str, tuple[np.ndarray, ...]]:
     return out
 
 
+def personal_budgets(mode: str, chosen: Sequence[str]) -> list[str]:
+    """The personal budgets of `mode` among `chosen`, 'default' standing for the mode's."""
+    named = [PERSONAL_BUDGET[mode] if b == "default" else b for b in chosen]
+    usable = STREAM_BUDGETS if mode == "stream" else BUDGETS
+    return [b for b in dict.fromkeys(named) if b in usable]
+
+
 def run_case(
     case: Case,
     table: Table,
@@ -475,7 +398,7 @@ def run_case(
     queries = [q for band in bands.values() for q in band]
     _shared.update(
         case=case, table=table, queries=queries, seed=args.seed,
-        setting=Setting(case.grouping, args.stream_batch, value_map),
+        setting=Setting(case.grouping, args.stream_batch, value_map, case.grouping),
     )  # fmt: skip
     started = time.monotonic()
     results = []
@@ -551,6 +474,11 @@ def main() -> None:
         "is Anatomy's largest-first rule, for comparison",
     )  # fmt: skip
     parser.add_argument(
+        "--budgets", nargs="+", choices=("default", *STREAM_BUDGETS), default=["default"],
+        help="personal budgets: 'default' is each mode's own (batch adaptive, stream "
+        "bounded); a budget a batch publication has not (bounded) is left out of batch",
+    )  # fmt: skip
+    parser.add_argument(
         "--stream-batch", type=int, default=STREAM_BATCH,
         help=f"decoy stream: records per worker call (default {STREAM_BATCH}, the config "
         "default; 1 is a stream so slow that each record is cut on arrival)",
@@ -580,16 +508,12 @@ def main() -> None:
             Case(rows, mechanism, mode, grouping)
             for mechanism in args.mechanisms
             for mode in args.modes
-            for grouping in (args.grouping if mechanism == "decoy" else ["–"])
+            for grouping in (
+                args.grouping if mechanism == "decoy" else personal_budgets(mode, args.budgets)
+            )
             if mode == "batch" or grouping != "anatomy"
         ]
         for case in cases:
-            if PUBLISHERS[(case.mechanism, case.mode)] is None:
-                log(
-                    f"{case.mechanism} {case.mode}: no replay plugged in "
-                    "(STREAM_REPLAYS in bench/calibration.py)"
-                )
-                continue
             results = run_case(case, table, bands, publications, args)
             for (band, estimator), answers in results.items():
                 rows_out.append(
@@ -609,7 +533,7 @@ def main() -> None:
     )
     print_table(
         [
-            "N", "mechanism", "grouping", "band", "model", "pubs", "coverage ± SE",
+            "N", "mechanism", "grouping or budget", "band", "model", "pubs", "coverage ± SE",
             "worst query", "mean rel. error", "declined",
         ],
         rows_out,

@@ -202,7 +202,7 @@ def partitions_per_master(config: StreamConfig) -> dict[int, int]:
 
 
 async def produce_backlog(config: StreamConfig, records: list[dict[str, str]]) -> int:
-    await create_topics(config.kafka_bootstrap, config.topic_partitions)
+    await create_topics(config.kafka, config.topic_partitions)
     await pre_produce(config, messages_of(records, config.schema.names))
     return len(records)
 

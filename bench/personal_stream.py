@@ -57,14 +57,18 @@ RATIO_TARGET = 1.25
 SETTINGS = ["--retention", "0.5", "--lambda", "0.3", "--delta", "0.3"]
 
 
-def answers(published: Path, budget: str, merge_map: Path, queries: Path) -> np.ndarray:
-    """`splu query` on a publication: the estimates, in query order."""
+def answers(
+    published: Path, budget: str, merge_map: Path, queries: Path, stream: bool = False
+) -> np.ndarray:
+    """`splu query` on a publication (a stream's with `stream`): the estimates, in query
+    order."""
     output = published.with_suffix(".answers.jsonl")
     with redirect_stdout(sys.stderr):
         code = splu([
             "query", "--published", str(published), "--mechanism", "personal",
             "--sensitive", SENSITIVE, *SETTINGS, "--budget", budget,
             "--merge-map", str(merge_map), "--queries", str(queries), "--output", str(output),
+            *(["--stream"] if stream else []),
         ])  # fmt: skip
     if code != 0:
         raise SystemExit(f"splu query failed on {published}")
@@ -158,7 +162,7 @@ def main() -> None:
             errors["batch"].append(np.abs(estimates - workload.true) / workload.true)
             log(f"seed {seed}: stream run ({args.partitions} partitions)")
             published, test, budget = stream(csv, args.partitions, seed, work)
-            estimates = answers(published, budget, merge_map_path, queries)
+            estimates = answers(published, budget, merge_map_path, queries, stream=True)
             errors["stream"].append(np.abs(estimates - workload.true) / workload.true)
             tests.append(test)
     finally:

@@ -77,9 +77,11 @@ from service.buffer import connect
 from service.config import StreamConfig, load_config
 from service.mechanisms.decoy import DecoyGroups
 from service.prf import ServiceKey, random_ids
+from service.publication import stream_reconstruction
 from service.reconstruct import Estimate, PublishedCells, Query, Reconstruction
-from service.running_counts import RunningCounts, stream_reconstruction
+from service.running_counts import RunningCounts
 from service.table import Table, open_sample, read_table
+from streams.kafka import client_options
 from streams.topics import create_topics
 
 EXAMPLE = "adult-decoy.toml"
@@ -177,7 +179,7 @@ async def produce_published(config: StreamConfig, values: list[bytes]) -> None:
     """Send every value to <stream>.published round-robin, in batches, each under a new token."""
     topic = config.topics["published"]
     producer = AIOKafkaProducer(
-        bootstrap_servers=config.kafka_bootstrap,
+        **client_options(config.kafka),
         enable_idempotence=False,
         acks="all",
         linger_ms=5,
@@ -421,7 +423,7 @@ def run(args: argparse.Namespace) -> Measured:
             truth = PublishedCells.from_table(table)
             values = published_values(table)
             log(f"stream {name!r}: creating topics, {config.partitions} partitions")
-            asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
+            asyncio.run(create_topics(config.kafka, config.topic_partitions))
             produce_started = time.monotonic()
             asyncio.run(produce_published(config, values))
             log(f"  produced in {time.monotonic() - produce_started:.1f} s")

@@ -126,6 +126,7 @@ from service.client import status as consumer_status
 from service.config import StreamConfig, load_config
 from service.metrics import histogram_quantile
 from service.running_counts import RunningCounts
+from streams.kafka import client_options
 from streams.produce import produce
 from streams.topics import create_topics
 
@@ -288,7 +289,7 @@ async def wait_for_consumer(config: StreamConfig, url: str, log_path: Path) -> N
     """Until the consumer's group is Stable with a member and its /status answers."""
     group = f"splu-{config.name}-consumer"
     deadline = time.monotonic() + READY_TIMEOUT
-    admin = AIOKafkaAdminClient(bootstrap_servers=config.kafka_bootstrap)
+    admin = AIOKafkaAdminClient(**client_options(config.kafka))
     await admin.start()
     try:
         while True:
@@ -663,7 +664,7 @@ def run(args: argparse.Namespace) -> None:
                 for row in resample(rows, len(rows), rng)
             ]
             feed = Feed(values, total)
-            asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
+            asyncio.run(create_topics(config.kafka, config.topic_partitions))
             url = f"http://127.0.0.1:{free_port()}"
             processes: dict[str, ManagedProcess] = {}
             try:

@@ -130,13 +130,14 @@ from deploy.embedded import (
 )
 from service.auditor import TrustedState
 from service.buffer import StreamBuffer, connect
-from service.config import StreamConfig, load_config, parse_config
+from service.config import KafkaSettings, StreamConfig, load_config, parse_config
 from service.ingest import Preparer, RawMessage
 from service.lifecycle import Lifecycle
 from service.metrics import DELAY_SLACK  # seconds over max_wait allowed at p99
 from service.running_counts import RunningCounts
 from service.table import open_sample
 from streams.app import now_ms
+from streams.kafka import client_options
 from streams.produce import produce
 from streams.topics import create_topics
 
@@ -418,14 +419,14 @@ class BufferProgress:
 
 
 async def read_topic(
-    bootstrap: str, topic: str, expected: int, deadline: float, log_path: Path
+    kafka: KafkaSettings, topic: str, expected: int, deadline: float, log_path: Path
 ) -> dict[bytes, ConsumerRecord]:
     """Each key's earliest message, once `expected` keys arrived; progress on stderr.
 
     A copy re-sent after a retry carries the same key.
     """
     consumer = AIOKafkaConsumer(
-        topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest", enable_auto_commit=False
+        topic, **client_options(kafka), auto_offset_reset="earliest", enable_auto_commit=False
     )
     await consumer.start()
     seen: dict[bytes, ConsumerRecord] = {}
@@ -478,13 +479,13 @@ async def anchor_stage(config: StreamConfig) -> None:
     topic = config.topics["published"]
     consumer = AIOKafkaConsumer(
         config.topics["raw"],
-        bootstrap_servers=config.kafka_bootstrap,
+        **client_options(config.kafka),
         group_id=f"bench-anchor-{config.name}",
         enable_auto_commit=False,
         auto_offset_reset="earliest",
     )
     producer = AIOKafkaProducer(
-        bootstrap_servers=config.kafka_bootstrap,
+        **client_options(config.kafka),
         enable_idempotence=False,
         acks="all",
         max_batch_size=512 * 1024,
@@ -544,7 +545,7 @@ async def anchor_capacity(
     work: Path,
     servers: Endpoints,
 ) -> Capacity:
-    await create_topics(config.kafka_bootstrap, config.topic_partitions)
+    await create_topics(config.kafka, config.topic_partitions)
     await pre_produce(config, messages)
     records = len(messages)
     deadline = time.monotonic() + READY_TIMEOUT + records / SLOWEST_RATE
@@ -562,9 +563,7 @@ async def anchor_capacity(
         )
     finally:
         anchor.stop()
-    copies = await read_topic(
-        config.kafka_bootstrap, config.topics["published"], records, deadline, log_path
-    )
+    copies = await read_topic(config.kafka, config.topics["published"], records, deadline, log_path)
     stamps = [m.timestamp for m in copies.values()]
     return Capacity(records, (max(stamps) - min(stamps)) / 1000, span.of("cpu"))
 
@@ -574,7 +573,7 @@ async def backlog(
 ) -> tuple[int, float, aioredis.Redis, StreamBuffer]:
     """Produce `messages` to a fresh stream before its worker starts; returns their number,
     the deadline for settling them, and a client and buffer to follow the worker with."""
-    await create_topics(config.kafka_bootstrap, config.topic_partitions)
+    await create_topics(config.kafka, config.topic_partitions)
     await pre_produce(config, messages)
     records = len(messages)
     deadline = time.monotonic() + READY_TIMEOUT + records / SLOWEST_RATE + config.max_wait
@@ -608,7 +607,7 @@ async def pipeline_capacity(
         await client.aclose()
     counts = progress.counts
     published = await read_topic(
-        config.kafka_bootstrap, config.topics["published"], counts["published"], deadline, log_path
+        config.kafka, config.topics["published"], counts["published"], deadline, log_path
     )
     times = sorted(m.timestamp / 1000 for m in published.values())
     # The pools' floors, released once the stream went quiet (flush_interval), come last.
@@ -673,7 +672,7 @@ async def pipeline_delays(
     env: Mapping[str, str],
     work: Path,
 ) -> Delays:
-    await create_topics(config.kafka_bootstrap, config.topic_partitions)
+    await create_topics(config.kafka, config.topic_partitions)
     records = len(messages)
     client = aioredis.from_url(config.redis_url)
     buffer = StreamBuffer(client, config, config.service_key())
@@ -689,11 +688,9 @@ async def pipeline_delays(
             paced_produce(config, messages, rate),
             follow(progress, records, worker, log_path, deadline),
         )
-        raw = await read_topic(
-            config.kafka_bootstrap, config.topics["raw"], records, deadline, log_path
-        )
+        raw = await read_topic(config.kafka, config.topics["raw"], records, deadline, log_path)
         published = await read_topic(
-            config.kafka_bootstrap,
+            config.kafka,
             config.topics["published"],
             progress.counts["published"],
             deadline,

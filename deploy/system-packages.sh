@@ -2,7 +2,8 @@
 # The Debian packages the test suite uses beyond Python: Chromium for the live page's
 # browser test, redis-server, which CI runs the Redis tests against a second time
 # (SPEC §6), jemalloc for the embedded Redis-protocol server, and prometheus (the server
-# and promtool) for the alert rules and the dashboard's queries (tests/test_prometheus.py).
+# and promtool) for the alert rules and the dashboard's queries (tests/test_prometheus.py),
+# and stunnel4, the TLS proxy in front of the embedded broker (tests/test_kafka_tls.py).
 # Installs only what is missing; needs root or sudo when something is.
 set -euo pipefail
 missing=()
@@ -11,6 +12,7 @@ command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 # jemalloc, preloaded into the embedded server (deploy/embedded.py: jemalloc_preload).
 ldconfig -p 2>/dev/null | grep -q 'libjemalloc\.so\.2' || missing+=(libjemalloc2)
 { command -v prometheus && command -v promtool; } >/dev/null 2>&1 || missing+=(prometheus)
+command -v stunnel >/dev/null 2>&1 || missing+=(stunnel4)
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0
 fi

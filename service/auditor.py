@@ -43,7 +43,8 @@ from service.privacy_tests import (
     eligibility,
     guarantees,
 )
-from service.running_counts import CellCodec, RunningCounts, stream_reconstruction
+from service.publication import stream_reconstruction
+from service.running_counts import CellCodec, RunningCounts
 
 # The message a failed test leaves in the pause flag.
 PAUSE_PREFIX = "privacy test failed: "
@@ -55,7 +56,7 @@ PUBLISHABLE = {
     "guarantees": ("*",),
     "budget": (
         "groups", "records", "v_g", "v_r", "groups_over", "plain_v_g", "plain_v_r",
-        "budget_use", "max_group_use", "max_exact_use", "groups_frozen",
+        "budget_use", "max_group_use", "max_exact_use", "groups_frozen", "groups_borrowing",
     ),
     "adversary": (
         "combinations", "small_within_share", "small_within_share_naive", "small_bound",
@@ -162,7 +163,7 @@ class TrustedState(BufferState):
 
     async def personal_groups(self) -> dict[str, dict[str, int]]:
         """Each personal group's aggregates summed over partitions: total, trials, c:<v>
-        (true counts), frozen."""
+        (true counts), borrowed, frozen."""
         out: dict[str, dict[str, int]] = {}
         for partition in range(self.config.partitions):
             fields = await self.client.hgetall(f"{self.prefix(partition)}:gstat")

@@ -38,8 +38,24 @@
     env = "SPLU_SERVICE_KEY"     # 64 hex characters, or
     file = "/run/secrets/splu"   # a file readable by its owner only
 
-    [kafka]
-    bootstrap = "kafka:19092"    # KAFKA_BOOTSTRAP overrides
+    [kafka]                      # each setting overridden by the variable named beside it
+    bootstrap = "kafka:19092"    # KAFKA_BOOTSTRAP: host:port[,host:port...]
+    security_protocol = "SASL_SSL"   # KAFKA_SECURITY_PROTOCOL: PLAINTEXT (the default), SSL,
+                                 # SASL_PLAINTEXT or SASL_SSL (`streams.kafka`)
+    ca_file = "kafka-ca.crt"     # KAFKA_CA_FILE: TLS, the CA that signed the brokers'
+                                 # certificates (default: the system's CAs); certificates
+                                 # and host names are always verified
+    cert_file = "client.crt"     # KAFKA_CERT_FILE, KAFKA_KEY_FILE: mutual TLS, the client's
+    key_file = "client.key"      # certificate and key (paths relative to this file)
+    sasl_mechanism = "SCRAM-SHA-512" # KAFKA_SASL_MECHANISM: PLAIN, SCRAM-SHA-256 or
+                                 # SCRAM-SHA-512; required with SASL_*
+    username = "splu-worker"     # KAFKA_USERNAME: the role's own principal (README: the
+                                 # ACL table, `streams.kafka.topic_grants`)
+    password_env = "WORKER_KAFKA_PASSWORD"  # the variable holding the password, or
+    password_file = "/run/secrets/kafka"    # a file readable by its owner only
+                                 # (KAFKA_PASSWORD_FILE); KAFKA_PASSWORD, if set, is the
+                                 # password and overrides both. A password is never
+                                 # written in this file
 
     [redis]
     url = "redis://redis:6379/0" # REDIS_URL overrides; rediss:// for TLS
@@ -113,7 +129,7 @@ import math
 import os
 import stat
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -131,6 +147,18 @@ MECHANISMS = ("decoy", "personal", "windowed")
 WINDOWED_MECHANISMS = ("sdr", "fprivacy", "anatomy", "dbr", "global")
 # [redis] options naming TLS files, and the redis-py argument each becomes.
 TLS_FILES = {"ca_file": "ssl_ca_certs", "cert_file": "ssl_certfile", "key_file": "ssl_keyfile"}
+# [kafka] settings and the environment variable that overrides each (`KafkaSettings`).
+KAFKA_ENV = {
+    "bootstrap": "KAFKA_BOOTSTRAP", "security_protocol": "KAFKA_SECURITY_PROTOCOL",
+    "ca_file": "KAFKA_CA_FILE", "cert_file": "KAFKA_CERT_FILE", "key_file": "KAFKA_KEY_FILE",
+    "sasl_mechanism": "KAFKA_SASL_MECHANISM", "username": "KAFKA_USERNAME",
+    "password_file": "KAFKA_PASSWORD_FILE",
+}  # fmt: skip
+# The password itself, overriding [kafka] password_env and password_file.
+KAFKA_PASSWORD_ENV = "KAFKA_PASSWORD"
+KAFKA_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 TOPIC_ROLES = ("raw", "published", "rejected", "reports")
 # A personal stream's internal topic: its raw records, validated and repartitioned by
 # personal group, so that each group has one owner and one trial budget (issue 15). It
@@ -193,6 +221,56 @@ FAIL_CLOSED = {"decoy": ("adversary",), "personal": ("budget", "adversary"), "wi
 MAX_BATCH_SIZE = 5000
 
 
+def kafka_setting(key: str) -> str:
+    """How an error names a [kafka] setting: the config key and its environment variable."""
+    return f"kafka.{key} ({KAFKA_ENV.get(key, KAFKA_PASSWORD_ENV)})"
+
+
+@dataclass(frozen=True)
+class KafkaSettings:
+    """Where the brokers are and how every Kafka client of a process reaches them
+    (`streams.kafka.client_options`): TLS with verification, SASL with the role's own
+    principal. The password is read when a client is built, never kept here."""
+
+    bootstrap: str
+    security_protocol: str = "PLAINTEXT"
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    sasl_mechanism: str | None = None
+    username: str | None = None
+    password_env: str | None = None
+    password_file: Path | None = None
+    source: str = "the environment"
+
+    @property
+    def tls(self) -> bool:
+        return self.security_protocol in ("SSL", "SASL_SSL")
+
+    @property
+    def sasl(self) -> bool:
+        return self.security_protocol.startswith("SASL_")
+
+    def password(self) -> str:
+        """The SASL password: KAFKA_PASSWORD, else the password file, else the variable
+        password_env names."""
+        if KAFKA_PASSWORD_ENV in os.environ:
+            return os.environ[KAFKA_PASSWORD_ENV]
+        if self.password_file is not None:
+            setting = f"{self.source}: {kafka_setting('password_file')}"
+            return read_private_file(self.password_file, setting).rstrip("\r\n")
+        if self.password_env is not None:
+            if self.password_env not in os.environ:
+                raise ConfigError(
+                    f"{self.source}: kafka.password_env names {self.password_env}, which is not set"
+                )
+            return os.environ[self.password_env]
+        raise ConfigError(
+            f"{self.source}: kafka.security_protocol {self.security_protocol} needs a "
+            f"password: set {KAFKA_PASSWORD_ENV}, or kafka.password_env or password_file"
+        )
+
+
 @dataclass(frozen=True)
 class ReportSettings:
     """Thresholds of the consumer's periodic privacy tests and its standing queries."""
@@ -233,7 +311,7 @@ class StreamConfig:
     topics: Mapping[str, str]
     key_env: str | None
     key_file: Path | None
-    kafka_bootstrap: str
+    kafka: KafkaSettings
     redis_url: str
     redis_password_env: str | None
     redis_username: str | None
@@ -268,16 +346,8 @@ class StreamConfig:
                 raise ConfigError(f"{self.source}: key.env names {self.key_env}, which is not set")
             return _parse_key(text, f"environment variable {self.key_env}")
         assert self.key_file is not None
-        try:
-            mode = self.key_file.stat().st_mode
-        except OSError as err:
-            raise ConfigError(f"{self.source}: key.file {self.key_file}: {err.strerror}") from None
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise ConfigError(
-                f"{self.source}: key.file {self.key_file} is readable by others "
-                f"(mode {stat.filemode(mode)}); chmod 600 it"
-            )
-        return _parse_key(self.key_file.read_text().strip(), f"key file {self.key_file}")
+        text = read_private_file(self.key_file, f"{self.source}: key.file")
+        return _parse_key(text.strip(), f"key file {self.key_file}")
 
     def redis_password(self) -> str | None:
         if self.redis_password_env is None:
@@ -291,6 +361,20 @@ class StreamConfig:
             options["username"] = self.redis_username
         options.update({k: str(v) for k, v in self.redis_tls.items()})
         return options
+
+
+def read_private_file(path: Path, setting: str) -> str:
+    """The text of a secret's file, which must be readable by its owner only; errors
+    start with `setting` (the file and key that name it)."""
+    try:
+        mode = path.stat().st_mode
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise ConfigError(
+                f"{setting} {path} is readable by others (mode {stat.filemode(mode)}); chmod 600 it"
+            )
+        return path.read_text()
+    except OSError as err:
+        raise ConfigError(f"{setting} {path}: {err.strerror}") from None
 
 
 def _parse_key(text: str, where: str) -> ServiceKey:
@@ -363,6 +447,13 @@ class _Reader:
         if choices and value not in choices:
             raise self.fail(key, f"must be one of {', '.join(choices)}, got {value!r}")
         return value
+
+    def refuse_password(self, instead: str) -> None:
+        """A literal password would sit in a file that is copied, mounted and committed."""
+        if "password" in self.table:
+            raise self.fail(
+                "password", f"is refused: a password is never written in the config; {instead}"
+            )
 
     def finish(self) -> None:
         unknown = sorted(set(self.table) - self.used)
@@ -459,9 +550,6 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
     key.finish()
 
     kafka = _table(source, document, "kafka", required=False)
-    bootstrap = kafka.text("bootstrap", "127.0.0.1:9092") if kafka else "127.0.0.1:9092"
-    if kafka:
-        kafka.finish()
     redis = _table(source, document, "redis", required=False)
     redis_url = (
         redis.text("url", "redis://127.0.0.1:6379/0") if redis else "redis://127.0.0.1:6379/0"
@@ -471,6 +559,7 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
     cluster = redis.flag("cluster") if redis else False
     replica_acks = redis.integer("replica_acks", 0, minimum=0, maximum=16) if redis else 0
     if redis:
+        redis.refuse_password("name the environment variable holding it (password_env)")
         if redis.get("password_env") is not None:
             password_env = redis.text("password_env")
         if redis.get("username") is not None:
@@ -528,7 +617,7 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
         topics=topics,
         key_env=key_env,
         key_file=key_file,
-        kafka_bootstrap=os.environ.get("KAFKA_BOOTSTRAP", bootstrap),
+        kafka=kafka_settings(kafka or _Reader(source, {}, "kafka"), base),
         redis_url=redis_url,
         redis_password_env=password_env,
         redis_username=os.environ.get("REDIS_USERNAME", username),
@@ -542,6 +631,65 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
         windowed=windowed,
         **settings,
     )
+
+
+def kafka_from_env(bootstrap: str | None = None) -> KafkaSettings:
+    """Kafka settings without a config file, for a downstream reader: the KAFKA_*
+    variables (paths relative to the working directory), `bootstrap` if given."""
+    settings = kafka_settings(_Reader("the environment", {}, "kafka"), Path.cwd())
+    return settings if bootstrap is None else replace(settings, bootstrap=bootstrap)
+
+
+def kafka_settings(table: _Reader, base: Path) -> KafkaSettings:
+    """The [kafka] table with the KAFKA_* variables over it, checked: TLS files only with
+    a TLS protocol; SASL settings only with a SASL protocol, which needs a mechanism and a
+    username (the password is read when a client is built)."""
+    table.refuse_password(
+        "name the environment variable holding it (password_env) or a file readable by "
+        f"its owner only (password_file), or set {KAFKA_PASSWORD_ENV}"
+    )
+    if table.get("password_env") is not None and table.get("password_file") is not None:
+        raise table.fail("password_env", "and kafka.password_file: give one of them")
+    values: dict[str, Any] = {}
+    for key in (*KAFKA_ENV, "password_env"):
+        if table.get(key) is not None:
+            text = table.text(key)
+            values[key] = base / text if key.endswith("_file") else text
+        variable = KAFKA_ENV.get(key)
+        text = os.environ.get(variable) if variable else None
+        if text:
+            values[key] = Path(text) if key.endswith("_file") else text
+    table.finish()
+
+    def fail(key: str, message: str) -> ConfigError:
+        return ConfigError(f"{table.source}: {kafka_setting(key)} {message}")
+
+    protocol = values.setdefault("security_protocol", "PLAINTEXT")
+    if protocol not in KAFKA_PROTOCOLS:
+        choices = ", ".join(KAFKA_PROTOCOLS)
+        raise fail("security_protocol", f"must be one of {choices}, got {protocol!r}")
+    values.setdefault("bootstrap", DEFAULT_BOOTSTRAP)
+    settings = KafkaSettings(source=table.source, **values)
+    for keys, applies, kind, use in (
+        (("ca_file", "cert_file", "key_file"), settings.tls, "TLS", "SSL or SASL_SSL"),
+        (("sasl_mechanism", "username", "password_env", "password_file"), settings.sasl,
+         "SASL", "SASL_SSL or SASL_PLAINTEXT"),
+    ):  # fmt: skip
+        for key in keys:
+            if key in values and not applies:
+                raise fail(
+                    key, f"is a {kind} setting, but security_protocol is {protocol}: use {use}"
+                )
+    if settings.key_file is not None and settings.cert_file is None:
+        raise fail("key_file", "needs cert_file, the certificate the key belongs to")
+    if settings.sasl:
+        if settings.sasl_mechanism not in SASL_MECHANISMS:
+            got = "" if settings.sasl_mechanism is None else f", got {settings.sasl_mechanism!r}"
+            choices = ", ".join(SASL_MECHANISMS)
+            raise fail("sasl_mechanism", f"must be one of {choices} with {protocol}{got}")
+        if settings.username is None:
+            raise fail("username", f"is required with {protocol}: the principal of this role")
+    return settings
 
 
 def _check_stream_settings(stream: _Reader, settings: Mapping[str, Any]) -> None:

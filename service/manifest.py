@@ -249,6 +249,7 @@ class Manifest:
                 cells, attribute.name, parameters["retention"], attribute.size,
                 lam=parameters["lambda"], delta=parameters["delta"],
                 budget=parameters["budget"], value_map=value_map, confidence=confidence,
+                stream=True,
             )  # fmt: skip
         raise ManifestError(
             f"stream {self.document['stream']!r} runs {self.parameters['mechanism']} on "

@@ -134,7 +134,10 @@ def guarantees(config: StreamConfig) -> TestResult:
 
 
 def budget(config: StreamConfig, groups: Mapping[str, Mapping[str, int]]) -> TestResult:
-    """Trials per personal group (summed over partitions) against s_g."""
+    """Trials per personal group (summed over partitions) against s_g, and the groups that
+    published borrowed copies (`service/lua/personal.lua`: a record whose value had no
+    trial when no trial could be spent), which bias their values' estimates: a count of
+    groups may leave the trusted zone, the rows borrowed may not."""
     assert config.personal is not None
     settings = config.personal
     m = config.schema.sensitive[0].size
@@ -172,6 +175,8 @@ def budget(config: StreamConfig, groups: Mapping[str, Mapping[str, int]]) -> Tes
         "max_group_use": float((used / limit).max()) if len(limit) else 0.0,
         "max_exact_use": float((used / exact).max()) if len(exact) else 0.0,
         "groups_frozen": sum(g.get("frozen", 0) > 0 for g in groups.values()),
+        "groups_borrowing": sum(g.get("borrowed", 0) > 0 for g in groups.values()),
+        "borrowed": sum(g.get("borrowed", 0) for g in groups.values()),
     }
     return TestResult("budget", not over.any(), numbers)
 

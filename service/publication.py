@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 import numpy as np
 
@@ -68,6 +68,9 @@ from service.reconstruct import (
 from service.schema import Attribute, Schema, SchemaError
 from service.table import RawRows, Table, open_text, read_columns, read_rows
 
+if TYPE_CHECKING:  # the config reads this registry's options: no import at run time
+    from service.config import StreamConfig
+
 # The stream mechanisms (`splu demo`, `--url`); batch publication also has the others.
 MECHANISMS = ("decoy", "personal")
 BATCH_ONLY = ("sdr", "fprivacy", "anatomy", "dbr", "global")
@@ -89,7 +92,7 @@ COUNT_COLUMN = "count"
 
 MECHANISM_OPTIONS = {
     "decoy": ("gamma", "grouping", "method", "matrix", "tolerance", "max_iterations"),
-    "personal": ("retention", "lam", "delta", "budget", "merge_map"),
+    "personal": ("retention", "lam", "delta", "budget", "merge_map", "stream"),
     "sdr": ("rho1", "rho2", "delta"),
     "fprivacy": ("theta", "beta", "max_size", "min_size", "bucket_method", "fake_values"),
     "anatomy": ("gamma",),
@@ -98,7 +101,13 @@ MECHANISM_OPTIONS = {
     "laplace": ("epsilon",),
 }
 OPTION_FLAGS = {"lam": "--lambda"}
-PERSONAL_DEFAULTS = {"retention": 0.5, "lam": 0.3, "delta": 0.3, "budget": "adaptive"}
+PERSONAL_DEFAULTS = {
+    "retention": 0.5,
+    "lam": 0.3,
+    "delta": 0.3,
+    "budget": "adaptive",
+    "stream": False,
+}
 # The estimator's own defaults, so `splu query` answers as `/estimate` and the reader do.
 DECOY_DEFAULTS = {
     "gamma": 5,
@@ -679,7 +688,26 @@ def reconstruction_of(
     return PersonalReconstruction(
         cells, sensitive[0], settings["retention"], domain_size, lam=settings["lam"],
         delta=settings["delta"], budget=settings["budget"], value_map=value_map,
-        confidence=confidence, clip=bool(clip),
+        confidence=confidence, clip=bool(clip), stream=settings["stream"],
+    )  # fmt: skip
+
+
+def stream_reconstruction(
+    config: StreamConfig, cells: PublishedCells, confidence: float = 0.95
+) -> Reconstruction:
+    """The reconstruction of a decoy or personal stream's publication, as its consumer
+    builds it and `splu query --config` answers from the stream's published records."""
+    if config.decoy is not None:
+        return DecoyReconstruction(
+            cells, config.decoy.gamma, config.sensitive, grouping=config.decoy.grouping,
+            confidence=confidence,
+        )  # fmt: skip
+    settings = config.personal
+    assert settings is not None
+    return PersonalReconstruction(
+        cells, config.sensitive[0], settings.retention, config.schema.sensitive[0].size,
+        lam=settings.lam, delta=settings.delta, budget=settings.budget,
+        value_map=settings.value_map, confidence=confidence, stream=True,
     )  # fmt: skip
 
 
@@ -688,20 +716,21 @@ def _read_text(path: str) -> str:
         return stream.read()
 
 
-def _rows(text: str, path: str) -> RawRows:
-    raw = read_rows(io.StringIO(text, newline=""))
+def _rows(text: str, path: str, delimiter: str | None = None) -> RawRows:
+    raw = read_rows(io.StringIO(text, newline=""), delimiter)
     if raw.rejections:
         raise PublicationError(f"{path}: {raw.rejections[0]} (is it a published file?)")
     return raw
 
 
-def published_cells(text: str, path: str) -> PublishedCells:
+def published_cells(text: str, path: str, delimiter: str | None = None) -> PublishedCells:
     """A published CSV's rows aggregated into cells, each column's domain the values it
     shows in order of appearance (as `PublishedCells.from_rows`); split by Arrow where it
-    splits as the csv module does (`read_columns`), so a malformed line is refused alike."""
-    columns = read_columns(text)
+    splits as the csv module does (`read_columns`), so a malformed line is refused alike.
+    Without a `delimiter`, the header line's is sniffed."""
+    columns = read_columns(text, delimiter)
     if columns is None:
-        raw = _rows(text, path)
+        raw = _rows(text, path, delimiter)
         return PublishedCells.from_rows(raw.header, raw.rows)
     if columns.rejections:
         raise PublicationError(f"{path}: {columns.rejections[0]} (is it a published file?)")

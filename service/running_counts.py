@@ -44,10 +44,7 @@ from service.mechanisms.global_randomization import GlobalRandomizationReconstru
 from service.mechanisms.sdr import SUBTABLE_COLUMN, SDRReconstruction, SubTable
 from service.publication import COUNT_COLUMN, EXTRA_COLUMN, Answers, Batch, write_batch
 from service.reconstruct import (
-    DecoyReconstruction,
-    PersonalReconstruction,
     PublishedCells,
-    Reconstruction,
 )
 from service.schema import Schema
 from service.table import Table
@@ -501,18 +498,3 @@ class RunningCounts:
                 f"--group splu-{self.name}-consumer --reset-offsets --to-earliest --all-topics "
                 "--execute), then start the consumer"
             )
-
-
-def stream_reconstruction(config: StreamConfig, cells: PublishedCells) -> Reconstruction:
-    """The reconstruction `splu query` would use for this stream's publication."""
-    if config.decoy is not None:
-        return DecoyReconstruction(
-            cells, config.decoy.gamma, config.sensitive, grouping=config.decoy.grouping
-        )
-    settings = config.personal
-    assert settings is not None
-    return PersonalReconstruction(
-        cells, config.sensitive[0], settings.retention, config.schema.sensitive[0].size,
-        lam=settings.lam, delta=settings.delta, budget=settings.budget,
-        value_map=settings.value_map,
-    )  # fmt: skip

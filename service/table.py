@@ -5,21 +5,26 @@ line of every row, so any row a mechanism suppresses or trims can be reported
 back by line. Reading never drops a row silently: a row that cannot be encoded
 becomes a `Rejection` with the line and the field. The csv module's reading
 (`read_rows`) defines what a row is; `read_table` gets the same rows faster from
-Arrow's CSV parser wherever that is certain to split a line the same way.
+Arrow's CSV parser wherever that is certain to split a line the same way. Every reader
+takes the delimiter it is given, or the one `sniff_delimiter` finds in the header line
+(survey exports use semicolons in many locales, tabs or bars), and drops a byte-order
+mark from the header.
 """
 
 from __future__ import annotations
 
 import csv
+import functools
 import gzip
 import io
+import itertools
 import math
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import numpy as np
 
@@ -27,6 +32,9 @@ from service.schema import Rejection, Schema, SchemaError
 
 SAMPLE_NAME = "adult"
 WRITE_CHUNK = 100_000  # rows joined into one string per write
+# The delimiters a header line is sniffed for; a header with none of them is one column.
+DELIMITERS = ",;\t|"
+BYTE_ORDER_MARK = "\ufeff"
 
 
 @dataclass
@@ -114,6 +122,16 @@ class RawRows:
     rejections: list[Rejection]
 
 
+def sniff_delimiter(text: str) -> str:
+    """The delimiter of a CSV starting with `text`: the one of `DELIMITERS` that
+    csv.Sniffer finds in its first line, else a comma."""
+    first = text.partition("\n")[0].partition("\r")[0]
+    try:
+        return csv.Sniffer().sniff(first, delimiters=DELIMITERS).delimiter
+    except csv.Error:
+        return ","
+
+
 def _read_header(reader: Iterator[list[str]]) -> list[str]:
     try:
         header = next(reader)
@@ -121,15 +139,26 @@ def _read_header(reader: Iterator[list[str]]) -> list[str]:
         raise SchemaError("the input is empty: expected a header line") from None
     except csv.Error as err:
         raise SchemaError(f"line 1: malformed header: {err}") from None
+    if header and header[0].startswith(BYTE_ORDER_MARK):
+        header[0] = header[0].removeprefix(BYTE_ORDER_MARK)
     if len(set(header)) != len(header):
         raise SchemaError("line 1: the header names a column twice")
     return header
 
 
-def read_rows(stream: TextIO) -> RawRows:
+def csv_reader(stream: TextIO, delimiter: str | None = None) -> tuple[list[str], Any]:
+    """The header of a CSV and a csv.reader of the lines after it (its `line_num` counts
+    from the file's first line), split at `delimiter`, or at the one sniffed from the
+    header line."""
+    first = stream.readline()
+    lines = itertools.chain([first] if first else [], stream)
+    reader = csv.reader(lines, delimiter=delimiter or sniff_delimiter(first))
+    return _read_header(reader), reader
+
+
+def read_rows(stream: TextIO, delimiter: str | None = None) -> RawRows:
     """Split a CSV row by row with the csv module: the reference every faster reader matches."""
-    reader = csv.reader(stream)
-    header = _read_header(reader)
+    header, reader = csv_reader(stream, delimiter)
     rows, lines, rejections = [], [], []
     width = len(header)
     while True:
@@ -214,16 +243,19 @@ class Columns:
         }
 
 
-# A line that both the csv module and Arrow's parser (quoting on) split into the
-# same fields: each field either holds no quote, or is wholly quoted with inner
-# quotes doubled and no line break. The quantifiers are possessive: no backtracking.
-_FIELD = rb'(?:"(?:[^"\r\n]++|"")*+"|[^",\r\n]*+)'
-_LINE = _FIELD + rb"(?:," + _FIELD + rb")*+"
-_PLAIN_LINE = re.compile(_LINE)
-_PLAIN_BODY = re.compile(rb"(?:" + _LINE + rb"\r?\n)*+(?:" + _LINE + rb")?+")
+@functools.cache
+def _plain_patterns(delimiter: str) -> tuple[re.Pattern[bytes], re.Pattern[bytes]]:
+    """A line that both the csv module and Arrow's parser (quoting on) split into the same
+    fields at `delimiter`, and a body of such lines: each field either holds no quote, or
+    is wholly quoted with inner quotes doubled and no line break. The quantifiers are
+    possessive: no backtracking."""
+    split = re.escape(delimiter.encode())
+    field = rb'(?:"(?:[^"\r\n]++|"")*+"|[^"' + split + rb"\r\n]*+)"
+    line = field + rb"(?:" + split + field + rb")*+"
+    return re.compile(line), re.compile(rb"(?:" + line + rb"\r?\n)*+(?:" + line + rb")?+")
 
 
-def read_columns(text: str) -> Columns | None:
+def read_columns(text: str, delimiter: str | None = None) -> Columns | None:
     """CSV text split as `read_rows` splits it, column by column; None where only it can.
 
     Arrow's CSV parser splits the lines whose every field is either free of double
@@ -238,13 +270,14 @@ def read_columns(text: str) -> Columns | None:
     data = _utf8(text)
     if data is None or data.count(b"\r") != data.count(b"\r\n"):
         return None
+    delimiter = delimiter or sniff_delimiter(text)
     feed = _Lines(data, 0)
-    header = _read_header(csv.reader(feed))
+    header = _read_header(csv.reader(feed, delimiter=delimiter))
     if not header:
         return None
     body = data[feed.offset :]
-    if b'"' not in body or _PLAIN_BODY.fullmatch(body):
-        parsed = _split(body, len(header))
+    if b'"' not in body or _plain_patterns(delimiter)[1].fullmatch(body):
+        parsed = _split(body, len(header), delimiter)
         # Every physical line became a row: no blank line was skipped, no width was wrong.
         if parsed is not None and len(parsed[1][0]) == body.count(b"\n") + (
             not body.endswith(b"\n") and len(body) > 0
@@ -253,7 +286,7 @@ def read_columns(text: str) -> Columns | None:
             first = feed.count + 1
             lines = np.arange(first, first + len(indices[0]), dtype=np.int64)
             return Columns(header, values, indices, lines, [])
-    return _read_columns_by_line(data, header, feed.count)
+    return _read_columns_by_line(data, header, feed.count, delimiter)
 
 
 def _utf8(text: str) -> bytes | None:
@@ -289,8 +322,10 @@ class _Lines:
         return line.decode("utf-8", "surrogateescape")
 
 
-def _split(body: bytes, width: int) -> tuple[list[list[str]], list[np.ndarray]] | None:
-    """Lines of `width` fields that `_PLAIN_LINE` matches, as (distinct values, indices)
+def _split(
+    body: bytes, width: int, delimiter: str
+) -> tuple[list[list[str]], list[np.ndarray]] | None:
+    """Lines of `width` fields that `_plain_patterns` match, as (distinct values, indices)
     per column; None if a line has another width or a field passes the csv field limit.
     Blank lines are skipped, as the csv module skips them."""
     import pyarrow as pa
@@ -300,13 +335,13 @@ def _split(body: bytes, width: int) -> tuple[list[list[str]], list[np.ndarray]] 
     names = [f"f{i}" for i in range(width)]
     # Arrow takes a byte-order mark at the start of its input for one, where the csv
     # module keeps it in the field: a first row of placeholders, dropped below, comes first.
-    placeholder = b",".join([b"x"] * width) + b"\n"
+    placeholder = delimiter.encode().join([b"x"] * width) + b"\n"
     try:
         table = pacsv.read_csv(
             pa.py_buffer(placeholder + body),
             pacsv.ReadOptions(column_names=names),
             pacsv.ParseOptions(
-                delimiter=",",
+                delimiter=delimiter,
                 quote_char='"',
                 double_quote=True,
                 escape_char=False,
@@ -337,9 +372,11 @@ def _split(body: bytes, width: int) -> tuple[list[list[str]], list[np.ndarray]] 
     return values, indices
 
 
-def _read_columns_by_line(data: bytes, header: list[str], first: int) -> Columns | None:
+def _read_columns_by_line(
+    data: bytes, header: list[str], first: int, delimiter: str
+) -> Columns | None:
     """`read_columns` line by line: blank, quoted, long and malformed lines found with
-    numpy, the csv module for the records that start on a line `_PLAIN_LINE` does not
+    numpy, the csv module for the records that start on a line `_plain_patterns` does not
     match or a long one, Arrow for the rest. `first` is the number of lines the header
     took."""
     width = len(header)
@@ -359,16 +396,16 @@ def _read_columns_by_line(data: bytes, header: list[str], first: int) -> Columns
 
     quotes = np.flatnonzero(text == ord('"'))
     quoted = np.searchsorted(quotes, ends) > np.searchsorted(quotes, starts)
-    # Fields of a line `_PLAIN_LINE` matches: one more than its commas outside quotes,
-    # those with an even number of quotes before them on the line.
-    commas = np.flatnonzero(text == ord(","))
-    line_of = np.searchsorted(starts, commas, side="right") - 1
-    before = np.searchsorted(quotes, commas) - np.searchsorted(quotes, starts)[line_of]
+    # Fields of a line `_plain_patterns` matches: one more than its delimiters outside
+    # quotes, those with an even number of quotes before them on the line.
+    splits = np.flatnonzero(text == ord(delimiter))
+    line_of = np.searchsorted(starts, splits, side="right") - 1
+    before = np.searchsorted(quotes, splits) - np.searchsorted(quotes, starts)[line_of]
     fields = np.bincount(line_of[before % 2 == 0], minlength=len(starts)) + 1
 
     to_csv = ends - starts > csv.field_size_limit()
     check = np.flatnonzero(quoted & after_header & ~to_csv)
-    match = _PLAIN_LINE.fullmatch
+    match = _plain_patterns(delimiter)[0].fullmatch
     to_csv[check] = [
         match(data, a, b) is None
         for a, b in zip(starts[check].tolist(), content[check].tolist(), strict=True)
@@ -380,7 +417,7 @@ def _read_columns_by_line(data: bytes, header: list[str], first: int) -> Columns
         if by_csv[start]:
             continue  # inside a record the csv module already read
         feed = _Lines(data, int(starts[start]))
-        reader = csv.reader(feed)
+        reader = csv.reader(feed, delimiter=delimiter)
         try:
             row = next(reader)
         except csv.Error as err:
@@ -403,7 +440,7 @@ def _read_columns_by_line(data: bytes, header: list[str], first: int) -> Columns
     values: list[list[str]] = [[] for _ in header]
     indices = [np.zeros(0, dtype=np.int64) for _ in header]
     if good.any():
-        parsed = _split(text[np.repeat(good, ends - starts)].tobytes(), width)
+        parsed = _split(text[np.repeat(good, ends - starts)].tobytes(), width, delimiter)
         if parsed is None or len(parsed[1][0]) != np.count_nonzero(good):
             return None  # pragma: no cover - Arrow disagreed with the line count; be exact
         values, indices = parsed
@@ -457,25 +494,28 @@ def read_table(
     quasi: Sequence[str] = (),
     sensitive: Sequence[str] = (),
     bins: Mapping[str, float | Sequence[float]] | None = None,
+    delimiter: str | None = None,
 ) -> tuple[Table, list[Rejection]]:
     """Read a CSV into a Table, with a given schema or one scanned from the data.
 
     The text is split by `read_columns` (Arrow's CSV parser where it gives what the
     csv module would, the csv module elsewhere), so acceptance, line numbers and
-    rejection reasons are those of `read_table_exact`.
+    rejection reasons are those of `read_table_exact`. Without a `delimiter`, the
+    header line's is sniffed.
     """
     try:
         start = stream.tell() if stream.seekable() else None
     except OSError:  # a text stream someone has iterated with next() cannot tell
         start = None
     text = stream.read()
-    columns = read_columns(text)
+    delimiter = delimiter or sniff_delimiter(text)
+    columns = read_columns(text, delimiter)
     if columns is None:
         if start is not None:  # the stream's own line splitting, whatever its newline mode
             stream.seek(start)
         else:
             stream = io.StringIO(text, newline="")
-        return read_table_exact(stream, schema, quasi, sensitive, bins)
+        return read_table_exact(stream, schema, quasi, sensitive, bins, delimiter)
     if schema is None:
         schema = Schema.scan_values(columns.header, columns.values, quasi, sensitive, bins)
     return encode_columns(schema, columns)
@@ -487,9 +527,10 @@ def read_table_exact(
     quasi: Sequence[str] = (),
     sensitive: Sequence[str] = (),
     bins: Mapping[str, float | Sequence[float]] | None = None,
+    delimiter: str | None = None,
 ) -> tuple[Table, list[Rejection]]:
     """`read_table` row by row with the csv module: the reference, and the fallback."""
-    raw = read_rows(stream)
+    raw = read_rows(stream, delimiter)
     if schema is None:
         schema = Schema.scan(raw.header, raw.rows, quasi, sensitive, bins)
     return encode_rows(schema, raw)

@@ -57,7 +57,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from service.auditor import Auditor, publishable
 from service.buffer import FINAL_POOL, BufferState, ReplicationError, StreamBuffer, connect
-from service.config import StreamConfig
+from service.config import KafkaSettings, StreamConfig
 from service.ingest import PreparedBatch, Preparer, RawMessage, Rejected
 from service.lifecycle import Lifecycle
 from service.metrics import DELAY_SLACK, delay_histogram, render_worker
@@ -65,6 +65,7 @@ from service.prf import ServiceKey
 from service.schema import Rejection
 from streams.bulk import consume_in_bulk
 from streams.closing import Closer
+from streams.kafka import client_options, faust_options
 from streams.undecodable import HeldBatches
 
 log = logging.getLogger("splu.worker")
@@ -120,16 +121,20 @@ class Publisher(Service):
 
     tansu has no idempotent producer, so idempotence is off; duplicates after a
     retry carry the same token and consumers drop them.
+
+    It sends uncompressed: the worker is the pipeline's busiest process, and the published
+    topic's readers may run any client. A topic's `compression.type` has the broker store
+    it compressed (README, Producing).
     """
 
-    def __init__(self, bootstrap: str, **kwargs: object) -> None:
+    def __init__(self, kafka: KafkaSettings, **kwargs: object) -> None:
         super().__init__(**kwargs)
-        self.bootstrap = bootstrap
+        self.kafka = kafka
         self.producer: AIOKafkaProducer | None = None
 
     async def on_start(self) -> None:
         self.producer = AIOKafkaProducer(
-            bootstrap_servers=self.bootstrap,
+            **client_options(self.kafka),
             enable_idempotence=False,
             acks="all",
             linger_ms=5,
@@ -242,7 +247,7 @@ def faust_app(
         }  # fmt: skip
     return faust.App(
         name,
-        broker=f"kafka://{config.kafka_bootstrap}",
+        **faust_options(config.kafka),
         value_serializer="raw",
         key_serializer="raw",
         processing_guarantee="at_least_once",
@@ -630,8 +635,10 @@ class Intake:
             self.config.topics["rejected"], ((r.message.key, r.payload()) for r in rejected)
         )
         for r in rejected:
+            # The field and the reason, never the value (a reason never echoes a sensitive one).
             where = f"{r.message.partition}/{r.message.offset}"
-            log.warning("rejected %s: %s", where, r.rejection.reason)
+            field = "" if r.rejection.field is None else f", field {r.rejection.field!r}"
+            log.warning("rejected %s%s: %s", where, field, r.rejection.reason)
 
 
 def refused(message: RawMessage, reason: str) -> Rejected:
@@ -737,7 +744,7 @@ def create_app(
         )  # fmt: skip
     # The topic whose partitions the Redis buffers are: a personal stream's are its groups'.
     buffered = grouped or raw
-    publisher = Publisher(config.kafka_bootstrap, loop=app.loop)
+    publisher = Publisher(config.kafka, loop=app.loop)
     app.add_dependency(publisher)
     preparer = Preparer(config, key)
     client = redis_client(app, config)

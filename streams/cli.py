@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from service import cli
-from service.commands.common import FORMATTER, CommandError, Commands
-from service.config import load_config
+from service.commands.common import FORMATTER, CommandError, Commands, add_delimiter_option
+from service.config import KafkaSettings, load_config
 from service.manifest import Publication
 from service.publication import MECHANISMS, log, open_input
 
@@ -54,15 +54,15 @@ def command_produce(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     total = None if args.input == "-" else count_rows(Path(args.input))
     with open_input(args.input) as stream:
-        rows = rows_of(stream, config, args.id_column)
+        rows = rows_of(stream, config, args.id_column, args.delimiter)
         try:
             sent = asyncio.run(produce(config, rows, total, args.rate))
         except KafkaError as err:
-            raise CommandError(f"cannot produce to {config.kafka_bootstrap}: {err}") from None
+            raise CommandError(f"cannot produce to {config.kafka.bootstrap}: {err}") from None
 
     log(
         f"splu produce: {sent:,} records from {args.input} acknowledged by "
-        f"{config.topics['raw']} at {config.kafka_bootstrap}"
+        f"{config.topics['raw']} at {config.kafka.bootstrap}"
     )
     if args.id_column is None:
         log(
@@ -83,6 +83,8 @@ def command_run(args: argparse.Namespace) -> int:
         Path(args.config), source, id_column=args.id_column, rate=args.rate,
         serve=args.serve, port=args.port,
         published_out=Path(args.published_out) if args.published_out else None,
+        rejected_out=Path(args.rejected_out) if args.rejected_out else None,
+        delimiter=args.delimiter,
     )  # fmt: skip
 
 
@@ -182,21 +184,28 @@ def register(commands: Commands) -> None:
         description=(
             "The demo's flow for any stream config and CSV: start the embedded broker and\n"
             "Redis (unless KAFKA_BOOTSTRAP and REDIS_URL name others), the stream's topics, a\n"
-            "worker and a consumer, produce the CSV with live progress, then print a summary:\n"
-            "records sent, in, published, suppressed, rejected and waiting below the mixing\n"
-            "floor, the standing queries' estimates and the privacy tests' verdicts.\n"
-            "Everything started is stopped again, also on Ctrl-C.\n\n"
-            "example:\n"
+            "worker and a consumer, produce the CSV with live progress, close the stream at\n"
+            "the end of the input, then print a summary: records sent, in, published,\n"
+            "suppressed and rejected (the first 20 with their line, field and reason), the\n"
+            "standing queries' estimates with their intervals, and the privacy tests'\n"
+            "verdicts. Everything started is stopped again, also on Ctrl-C.\n\n"
+            "example (`splu plan --config-out` writes the config from your data):\n"
             "  splu run --config my-stream.toml --input answers.csv --id-column respondent \\\n"
-            "      --published-out published.csv"
+            "      --published-out published.csv --rejected-out rejected.csv"
         ),
     )  # fmt: skip
     run.add_argument("--config", required=True, help="the stream's TOML file")
-    run.add_argument("--input", required=True, help="CSV with a header line")
+    run.add_argument("--input", required=True, help="CSV with a header line (.gz ok)")
+    add_delimiter_option(run)
     run.add_argument("--id-column", metavar="COL", help="column holding each record's id")
     run.add_argument(
         "--published-out", metavar="FILE.csv",
         help="write the published records here as CSV (the embedded broker forgets them)",
+    )  # fmt: skip
+    run.add_argument(
+        "--rejected-out", metavar="FILE.csv",
+        help="write every rejected row here as CSV: line (of --input), id, field, reason "
+        "(never the value); the summary lists the first 20",
     )  # fmt: skip
     _add_run_options(run)
     run.set_defaults(run=command_run)
@@ -342,16 +351,17 @@ def register(commands: Commands) -> None:
     )  # fmt: skip
     produce.add_argument("--config", required=True, help="the stream's TOML file")
     produce.add_argument("--input", required=True, help="CSV with a header line (- for stdin)")
+    add_delimiter_option(produce)
     produce.add_argument("--rate", type=float, help="records per second (default: flat out)")
     produce.add_argument("--id-column", metavar="COL", help="column holding each record's id")
     produce.set_defaults(run=command_produce)
 
 
-def read_topic(stream: str, bootstrap: str, confidence: float) -> Publication:
+def read_topic(stream: str, kafka: KafkaSettings, confidence: float) -> Publication:
     """`splu query --topic`'s reader, which the batch command cannot import (layers)."""
     from streams.reader import read_publication
 
-    return read_publication(stream, bootstrap, confidence)
+    return read_publication(stream, confidence=confidence, kafka=kafka)
 
 
 def build_parser() -> argparse.ArgumentParser:

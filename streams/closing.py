@@ -47,7 +47,7 @@ class Closer:
         stream's broker's)."""
         self.config = config
         self.lifecycle = lifecycle
-        self.ends = ends or partial(end_offsets, config.kafka_bootstrap)
+        self.ends = ends or partial(end_offsets, config.kafka)
         self.requested: int | None = None
         self.complete = False
         self._raw_closed: set[int] = set()
@@ -107,7 +107,7 @@ async def request_close(config: StreamConfig) -> dict[int, int]:
     client = connect(config)
     try:
         return await close_stream(
-            Lifecycle(client, config), partial(end_offsets, config.kafka_bootstrap), now_ms()
+            Lifecycle(client, config), partial(end_offsets, config.kafka), now_ms()
         )
     finally:
         await client.aclose()

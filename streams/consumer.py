@@ -53,14 +53,13 @@ from service.privacy_tests import (
     guarantee_curve,
     windowed_tests,
 )
-from service.publication import Answers, answer_queries
+from service.publication import Answers, answer_queries, stream_reconstruction
 from service.reconstruct import Estimate, Query, QueryError, Reconstruction
 from service.running_counts import (
     CellCodec,
     PublishedRecordError,
     PublishedWindows,
     RunningCounts,
-    stream_reconstruction,
 )
 from streams.app import (
     TRANSIENT,
@@ -391,7 +390,7 @@ def create_consumer_app(config: StreamConfig, datadir: Path, host: str, port: in
         config.topics["published"], partitions=config.partitions, value_serializer="raw",
         key_serializer="raw",
     )  # fmt: skip
-    publisher = Publisher(config.kafka_bootstrap, loop=app.loop)
+    publisher = Publisher(config.kafka, loop=app.loop)
     app.add_dependency(publisher)
     client = redis_client(app, config)
     # The holder of the published topic's partition 0 leads: one per group at a time.

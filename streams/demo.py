@@ -10,6 +10,7 @@ the demo asks it for a few large and small counts and compares them with the tru
 from __future__ import annotations
 
 import csv
+import math
 import tempfile
 import tomllib
 from importlib import resources
@@ -22,7 +23,7 @@ from service import client
 from service.config import StreamConfig
 from service.reconstruct import DecoyReconstruction, PublishedCells, Query
 from service.table import open_sample, read_table
-from streams.run import run_stream
+from streams.run import estimate_text, run_stream
 
 EXAMPLES = {"decoy": "adult-decoy.toml", "personal": "adult-personal.toml"}
 # Shorter than production so the tail of the demo stream is not left waiting long.
@@ -82,7 +83,9 @@ def _summary(config: StreamConfig, truth: PublishedCells, url: str) -> None:
     """The consumer's answers to the standing queries and a few small counts, against truth."""
     sensitive = config.sensitive[0]
     queries = [Query.from_json(q) for q in config.reports.queries]
-    queries += _small_queries(truth, sensitive, count=4)
+    # Counts of 1..alpha are small: the privacy tests check that they stay noisy.
+    small = config.reports.alpha
+    queries += _small_queries(truth, sensitive, small, count=4)
     true_counts = [
         e.published for e in DecoyReconstruction(truth, 2, [sensitive]).estimate_many(queries)
     ]
@@ -96,21 +99,38 @@ def _summary(config: StreamConfig, truth: PublishedCells, url: str) -> None:
         )
         for q in queries
     ]
-    width = max(map(len, texts))
-    print(f"\n{'count of':{width}} {'true':>6} {'estimate':>9} {'rel.err':>8}")
-    errors: dict[bool, list[float]] = {True: [], False: []}
-    for text, answer, true in zip(texts, answers, true_counts, strict=True):
-        error = abs(answer["estimate"] - true) / true
-        errors[true > 10].append(error)
-        print(f"{text:{width}} {true:6,} {answer['estimate']:9,.0f} {error:8.0%}")
+    shown = [estimate_text(answer) for answer in answers]
+    width, estimate_width = max(map(len, texts)), max(map(len, shown))
     print(
-        f"\nlarge counts: mean relative error {np.mean(errors[True]):.0%}; "
-        f"small counts (1-10): {np.mean(errors[False]):.0%}"
+        f"\n{'count of':{width}} {'true':>6}  {'estimate [95% interval] ±':{estimate_width}} "
+        f"{'error':>6}  inside"
     )
+    errors: dict[bool, list[float]] = {True: [], False: []}
+    inside: dict[bool, list[bool]] = {True: [], False: []}
+    for text, answer, estimate, true in zip(texts, answers, shown, true_counts, strict=True):
+        error = abs(answer["estimate"] - true) / true
+        covered = answer.get("low", -math.inf) <= true <= answer.get("high", math.inf)
+        errors[true > small].append(error)
+        inside[true > small].append(covered)
+        print(
+            f"{text:{width}} {true:6,}  {estimate:{estimate_width}} {error:6.0%}  "
+            f"{'yes' if covered else 'no'}"
+        )
+    if errors[True]:
+        print(
+            f"\nLarge counts (over {small}): off by {np.mean(errors[True]):.0%} on average; the "
+            f"truth lies inside the 95% interval in {sum(inside[True])} of {len(inside[True])}."
+        )
+    if errors[False]:
+        print(
+            f"Small counts (1 to {small}): off by {np.mean(errors[False]):.0%} on average, on "
+            "purpose: from the published\nrecords no one can tell whether a few people with "
+            "these public values hold the value,\nor none. That noise is the privacy."
+        )
 
 
-def _small_queries(truth: PublishedCells, sensitive: str, count: int) -> list[Query]:
-    """Deterministic conjunctions of three public columns whose true count is 1 to 10."""
+def _small_queries(truth: PublishedCells, sensitive: str, small: int, count: int) -> list[Query]:
+    """Deterministic conjunctions of three public columns whose true count is 1 to `small`."""
     public = [c for c in truth.columns if c != sensitive][-3:]
     positions = [truth.columns.index(c) for c in (*public, sensitive)]
     candidates = [
@@ -121,6 +141,6 @@ def _small_queries(truth: PublishedCells, sensitive: str, count: int) -> list[Qu
         for key in np.unique(truth.cells[:, positions], axis=0)
     ]
     exact = DecoyReconstruction(truth, 2, [sensitive]).estimate_many(candidates)
-    small = [q for q, e in zip(candidates, exact, strict=True) if 1 <= e.published <= 10]
-    step = max(len(small) // count, 1)
-    return small[::step][:count]
+    chosen = [q for q, e in zip(candidates, exact, strict=True) if 1 <= e.published <= small]
+    step = max(len(chosen) // count, 1)
+    return chosen[::step][:count]

@@ -24,7 +24,7 @@ from aiokafka.errors import MessageSizeTooLargeError
 from aiokafka.structs import ConsumerRecord
 
 from service.buffer import connect
-from service.config import StreamConfig
+from service.config import KafkaSettings, StreamConfig
 from service.manifest import (
     MANIFEST_CONFIG,
     MANIFEST_KEY,
@@ -33,7 +33,8 @@ from service.manifest import (
     ManifestError,
     manifest_topic,
 )
-from streams.topics import CONFIG_HINT, existing_topics
+from streams.kafka import CONFIG_HINT, client_options, start_client
+from streams.topics import existing_topics
 
 # Seconds a read may go without a record while positions are still short of the end offsets.
 # The largest manifest a worker sends (before compression); the broker's own limit (1 MB
@@ -53,7 +54,7 @@ def manifest_topics(config: StreamConfig) -> tuple[dict[str, int], dict[str, dic
 
 
 async def read_to_end(
-    bootstrap: str,
+    kafka: KafkaSettings,
     topic: str,
     partitions: int,
     on_batch: Callable[[list[ConsumerRecord]], None] | None = None,
@@ -66,10 +67,12 @@ async def read_to_end(
     the fetch that reaches that offset brings the whole batch, so reading until each position
     passes its end offset misses nothing the partition held when the read started.
     """
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest"
+    consumer = await start_client(
+        AIOKafkaConsumer(
+            **client_options(kafka), enable_auto_commit=False, auto_offset_reset="earliest"
+        ),
+        kafka,
     )
-    await consumer.start()
     records: list[ConsumerRecord] = []
     try:
         assigned = [TopicPartition(topic, p) for p in range(partitions)]
@@ -97,7 +100,9 @@ async def read_to_end(
     return records
 
 
-async def read_manifest(bootstrap: str, stream: str, hint: str = CONFIG_HINT) -> Manifest | None:
+async def read_manifest(
+    kafka: KafkaSettings, stream: str, hint: str = CONFIG_HINT
+) -> Manifest | None:
     """The stream's manifest, or None if its topic is missing or holds none yet.
 
     Every record of the topic must hold the same manifest (workers write only the stream's
@@ -105,10 +110,10 @@ async def read_manifest(bootstrap: str, stream: str, hint: str = CONFIG_HINT) ->
     topic's records creates it with 4 partitions.
     """
     topic = manifest_topic(stream)
-    partitions = (await existing_topics(bootstrap, hint)).get(topic)
+    partitions = (await existing_topics(kafka, hint)).get(topic)
     if partitions is None:
         return None
-    found = {r.value for r in await read_to_end(bootstrap, topic, partitions) if r.value}
+    found = {r.value for r in await read_to_end(kafka, topic, partitions) if r.value}
     manifests = {m.digest: m for m in map(Manifest.from_json, found)}
     if len(manifests) > 1:
         raise ManifestError(
@@ -132,7 +137,7 @@ async def claim_manifest(config: StreamConfig) -> None:
     """Make sure the stream's manifest is this config's, before the worker consumes a raw
     record: write it if the stream has none, raise ManifestConflictError if it has another."""
     mine = Manifest.of_config(config)
-    published = await read_manifest(config.kafka_bootstrap, config.name)
+    published = await read_manifest(config.kafka, config.name)
     if published is not None:
         if published.digest != mine.digest:
             raise ManifestConflictError(
@@ -153,10 +158,10 @@ async def claim_manifest(config: StreamConfig) -> None:
     # Compressed: a schema's domains (a sequence or id column, say) can make the manifest
     # larger than the broker's 1 MB message limit in plain text, rarely after gzip.
     producer = AIOKafkaProducer(
-        bootstrap_servers=config.kafka_bootstrap, enable_idempotence=False, acks="all",
+        **client_options(config.kafka), enable_idempotence=False, acks="all",
         compression_type="gzip", max_request_size=MANIFEST_MAX_BYTES,
     )  # fmt: skip
-    await producer.start()
+    await start_client(producer, config.kafka)
     try:
         # Workers that won the claim together write the same bytes; compaction keeps one.
         await producer.send_and_wait(
@@ -175,7 +180,7 @@ async def claim_manifest(config: StreamConfig) -> None:
 async def check_manifest(config: StreamConfig) -> None:
     """Raise ManifestConflictError if the stream has a manifest other than this config's:
     a consumer reading the stream with other parameters would answer wrongly."""
-    published = await read_manifest(config.kafka_bootstrap, config.name)
+    published = await read_manifest(config.kafka, config.name)
     mine = Manifest.of_config(config)
     if published is not None and published.digest != mine.digest:
         raise ManifestConflictError(

@@ -3,7 +3,7 @@
 Each row's Kafka key is the response's id (README: Producing): the stream recognises a
 response by it on any partition, at any age, however often it is sent. With
 ``--id-column`` the id is that column's. Without, it is derived from the row's content
-and occurrence (`content_ids`): ``c:<digest of the schema's columns>:<n>``, the n-th row
+and occurrence (`ContentIds`): ``c:<digest of the schema's columns>:<n>``, the n-th row
 of the export with that content. A survey exported again with rows appended, or in
 another order, gets the same ids for the same rows; identical rows (common in census-like
 data) stay distinct responses. Rows are sent in batches and the producer waits for every
@@ -13,12 +13,11 @@ acknowledgement; a progress bar is redrawn on stderr when it is a terminal.
 from __future__ import annotations
 
 import asyncio
-import csv
 import hashlib
 import json
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
@@ -26,6 +25,8 @@ from aiokafka import AIOKafkaProducer
 
 from service.config import StreamConfig
 from service.progress import progress_bar
+from service.table import csv_reader
+from streams.kafka import client_options, role_topics, start_client
 from streams.topics import create_topics
 
 BATCH = 1000
@@ -36,12 +37,19 @@ class ProduceError(ValueError):
 
 
 def rows_of(
-    stream: TextIO, config: StreamConfig, id_column: str | None
+    stream: TextIO, config: StreamConfig, id_column: str | None, delimiter: str | None = None
 ) -> Iterator[tuple[bytes, bytes]]:
     """(key, JSON value) per CSV row, with only the schema's columns; the key is the id
-    column's value, or a content id (`content_ids`)."""
-    reader = csv.DictReader(stream)
-    header = reader.fieldnames or []
+    column's value, or a content id (`ContentIds`)."""
+    return ((key, value) for _, key, value in numbered_rows(stream, config, id_column, delimiter))
+
+
+def numbered_rows(
+    stream: TextIO, config: StreamConfig, id_column: str | None, delimiter: str | None = None
+) -> Iterator[tuple[int, bytes, bytes]]:
+    """(line, key, JSON value) per CSV row as `rows_of` makes them, with the line of the
+    input each row ends on (as `splu publish` numbers a rejected row)."""
+    header, reader = csv_reader(stream, delimiter)
     missing = [n for n in config.schema.names if n not in header]
     if missing:
         raise ProduceError(
@@ -50,31 +58,36 @@ def rows_of(
     if id_column is not None and id_column not in header:
         raise ProduceError(f"--id-column {id_column!r} is not in the header")
     names = config.schema.names
-    values = (
-        (row, json.dumps({n: row.get(n) for n in names}, separators=(",", ":")).encode())
-        for row in reader
-    )
-    if id_column is None:
-        yield from content_ids(value for _, value in values)
-        return
-    for row, value in values:
-        key = row[id_column]
+    content_id = ContentIds() if id_column is None else None
+    for row in reader:
+        if not row:
+            continue  # a blank line, as the csv module skips it
+        # A short row's missing fields are null, which the worker rejects by name.
+        record = dict(zip(header, row, strict=False))
+        value = json.dumps({n: record.get(n) for n in names}, separators=(",", ":")).encode()
+        if content_id is not None:
+            yield reader.line_num, content_id(value), value
+            continue
+        key = record.get(id_column)
         if not key:
             raise ProduceError(f"--id-column {id_column!r} is empty on line {reader.line_num}")
-        yield key.encode(), value
+        yield reader.line_num, key.encode(), value
 
 
-def content_ids(values: Iterable[bytes]) -> Iterator[tuple[bytes, bytes]]:
-    """(key, value) per value: ``c:<BLAKE2b-128 of the value>:<n>``, where the value is the
-    n-th (from 1) with that content. An export's rows get the same ids when it is produced
+class ContentIds:
+    """Each value's id: ``c:<BLAKE2b-128 of the value>:<n>``, where the value is the n-th
+    (from 1) with that content. An export's rows get the same ids when it is produced
     again whole, grown or reordered: only the order among identical rows changes, and
     they are interchangeable. An export of only the new rows would reuse the ids of
     earlier identical rows: produce the whole export each time, or use an id column."""
-    seen: Counter[bytes] = Counter()
-    for value in values:
+
+    def __init__(self) -> None:
+        self.seen: Counter[bytes] = Counter()
+
+    def __call__(self, value: bytes) -> bytes:
         digest = hashlib.blake2b(value, digest_size=16).hexdigest().encode()
-        seen[digest] += 1
-        yield b"c:%b:%d" % (digest, seen[digest]), value
+        self.seen[digest] += 1
+        return b"c:%b:%d" % (digest, self.seen[digest])
 
 
 async def produce(
@@ -86,21 +99,18 @@ async def produce(
 ) -> int:
     """Send every row to the raw topic; returns how many were acknowledged.
 
-    The stream's topics are created first if missing: a producer asking for the raw
-    topic's metadata would have the broker create it with its default partition count."""
-    await create_topics(config.kafka_bootstrap, config.topic_partitions)
+    The raw topic is created first if missing (and the producer's principal may): a
+    producer asking for its metadata would have the broker create it with its default
+    partition count."""
+    await create_topics(config.kafka, role_topics(config, "producer"))
     producer = AIOKafkaProducer(
-        bootstrap_servers=config.kafka_bootstrap,
+        **client_options(config.kafka),
         enable_idempotence=False,
         acks="all",
         linger_ms=5,
         max_batch_size=512 * 1024,
     )
-    try:
-        await producer.start()
-    except BaseException:
-        await producer.stop()
-        raise
+    await start_client(producer, config.kafka)
     sent, started = 0, time.monotonic()
     # Batches of at most a tenth of a second's worth, so a rate is kept smoothly.
     size = min(BATCH, max(1, int(rate / 10))) if rate else BATCH

@@ -5,7 +5,10 @@
 group, nothing committed: from the beginning through the end offsets at the start), count
 each record once by its token and answer count queries exactly as the stream's consumer
 answers ``/estimate``. They need read access to the two topics and nothing else: no config
-file, no service key, no Redis. The counting and the answers are `service.manifest`::
+file, no service key, no Redis (the reader role of the README's ACL table). A secured
+cluster's settings come from the KAFKA_* variables a stream's config would override
+(`service.config`), or from a `KafkaSettings`. The counting and the answers are
+`service.manifest`::
 
     from streams.reader import read_publication
 
@@ -20,43 +23,55 @@ import os
 
 from aiokafka.structs import ConsumerRecord
 
+from service.config import KAFKA_ENV, KafkaSettings, kafka_from_env
 from service.manifest import ManifestError, Publication, manifest_topic
 from streams.manifest import read_manifest, read_to_end
 from streams.topics import existing_topics, run_in_thread
 
-BOOTSTRAP_ENV = "KAFKA_BOOTSTRAP"
-HINT = f"give --bootstrap HOST:PORT or set {BOOTSTRAP_ENV}"
+HINT = "give --bootstrap HOST:PORT or set KAFKA_BOOTSTRAP"
 
 
-async def fetch_publication(stream: str, bootstrap: str, confidence: float = 0.95) -> Publication:
+async def fetch_publication(
+    stream: str, kafka: KafkaSettings, confidence: float = 0.95
+) -> Publication:
     """The stream's manifest and every record published when the read starts, counted."""
-    manifest = await read_manifest(bootstrap, stream, HINT)
+    manifest = await read_manifest(kafka, stream, HINT)
     if manifest is None:
         raise ManifestError(
-            f"{manifest_topic(stream)} at {bootstrap} holds no manifest: no stream {stream!r} "
-            "there, or its workers have not started (or predate manifests)"
+            f"{manifest_topic(stream)} at {kafka.bootstrap} holds no manifest: no stream "
+            f"{stream!r} there, or its workers have not started (or predate manifests)"
         )
     topic = manifest.published_topic
-    partitions = (await existing_topics(bootstrap, HINT)).get(topic)
+    partitions = (await existing_topics(kafka, HINT)).get(topic)
     if partitions is None:
-        raise ManifestError(f"the manifest names {topic}, which does not exist at {bootstrap}")
+        raise ManifestError(
+            f"the manifest names {topic}, which does not exist at {kafka.bootstrap} (or this "
+            "reader may not see it)"
+        )
     tally = manifest.tally()
 
     def count(batch: list[ConsumerRecord]) -> None:
         for record in batch:
             tally.add(record.key, record.value)
 
-    await read_to_end(bootstrap, topic, partitions, on_batch=count)
+    await read_to_end(kafka, topic, partitions, on_batch=count)
     return Publication(manifest, tally, confidence)
 
 
 def read_publication(
-    stream: str, bootstrap: str | None = None, confidence: float = 0.95
+    stream: str,
+    bootstrap: str | None = None,
+    confidence: float = 0.95,
+    kafka: KafkaSettings | None = None,
 ) -> Publication:
     """`fetch_publication` for sync callers (also inside a running event loop, as in
-    Jupyter); `bootstrap` defaults to KAFKA_BOOTSTRAP. `confidence`: the coverage of every
-    answer's [low, high] (the consumer's is 0.95)."""
-    bootstrap = bootstrap or os.environ.get(BOOTSTRAP_ENV)
-    if not bootstrap:
-        raise ValueError(f"name the Kafka bootstrap: {HINT}")
-    return run_in_thread(fetch_publication(stream, bootstrap, confidence))
+    Jupyter). The brokers: `kafka`, else the KAFKA_* variables (`bootstrap` overriding
+    KAFKA_BOOTSTRAP), as a stream's config names them: a secured cluster needs
+    KAFKA_SECURITY_PROTOCOL, KAFKA_CA_FILE, KAFKA_SASL_MECHANISM, KAFKA_USERNAME and
+    KAFKA_PASSWORD (or KAFKA_PASSWORD_FILE). `confidence`: the coverage of every answer's
+    [low, high] (the consumer's is 0.95)."""
+    if kafka is None:
+        if not (bootstrap or os.environ.get(KAFKA_ENV["bootstrap"])):
+            raise ValueError(f"name the Kafka bootstrap: {HINT}")
+        kafka = kafka_from_env(bootstrap)
+    return run_in_thread(fetch_publication(stream, kafka, confidence))

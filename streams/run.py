@@ -6,13 +6,15 @@ consumer (child processes, each as its own least-privilege Redis user when the r
 started Redis itself), a producer over the CSV, live progress, the stream's close once
 the worker has taken in every row (`streams.closing`: every accepted record is then
 published or suppressed, the remainders below the mixing floor mixed across partitions),
-and a summary: records in, published, suppressed (and why), rejected, the standing
-queries' estimates and the privacy tests' verdicts from the consumer's last report, and
-where the published records can be read (``--published-out`` writes them
-as CSV, in the schema's column order; the embedded broker forgets them when the run
-ends). Every process it starts is stopped again on success, error or Ctrl-C; with
-``--serve`` it keeps serving the live page until Ctrl-C. `splu demo` is this run on
-the bundled sample.
+and a summary: records in, published, suppressed (and why), rejected (each with the line
+of the input, the field and the reason, read back from ``<stream>.rejected``; all of them
+in ``--rejected-out``), the standing queries' estimates with their intervals and what
+they mean, the privacy tests' verdicts from the consumer's last report, and where the
+published records can be read (``--published-out`` writes them as CSV, in the schema's
+column order; the embedded broker forgets them when the run ends). A server that does
+not answer, or refuses the stream's user, is one line before anything starts. Every
+process it starts is stopped again on success, error or Ctrl-C; with ``--serve`` it
+keeps serving the live page until Ctrl-C. `splu demo` is this run on the bundled sample.
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer
+from aiokafka import AIOKafkaConsumer, ConsumerRecord, TopicPartition
 
 from deploy.embedded import (
     EmbeddedServers,
@@ -41,17 +44,21 @@ from deploy.embedded import (
     spawn_worker,
 )
 from service import client
-from service.buffer import BufferState, connect
+from service.buffer import BufferState, check_redis, connect
 from service.config import StreamConfig, load_config
 from service.lifecycle import close_status
 from service.planning import floor_note
 from service.progress import progress_bar
+from service.table import open_text
 from streams.closing import describe_closed, request_close
-from streams.produce import count_rows, produce, rows_of
-from streams.topics import create_topics
+from streams.kafka import client_options, start_client
+from streams.produce import count_rows, numbered_rows, produce, rows_of
+from streams.topics import create_topics, end_offsets
 
 TIMEOUT = 120.0  # seconds without progress before a run gives up
 PROGRESS_EVERY = 5.0  # seconds between progress lines in a log (a terminal redraws)
+REJECTIONS_SHOWN = 20  # rejected rows the summary lists; --rejected-out keeps them all
+REJECTED_COLUMNS = ("line", "id", "field", "reason")
 
 
 class RunError(ValueError):
@@ -67,6 +74,8 @@ def run_stream(
     serve: bool = False,
     port: int | None = None,
     published_out: Path | None = None,
+    rejected_out: Path | None = None,
+    delimiter: str | None = None,
     command: str = "splu run",
     afterwards: Callable[[StreamConfig, str], None] | None = None,
 ) -> int:
@@ -85,14 +94,20 @@ def run_stream(
                 f"publishes side messages (ST rows, sub-tables): answer from "
                 f"{config.topics['published']} with `splu query --topic {config.name}`"
             )
+        # One line, before anything starts, for a server that does not answer or refuses.
+        asyncio.run(check_redis(config))
+        asyncio.run(create_topics(config.kafka, config.topic_partitions))
         env = _key_env(config, command)
         print(
             f"{command}: {config.mechanism} stream {config.name!r} (Kafka "
-            f"{config.kafka_bootstrap}{'' if servers.kafka is None else ', embedded'}; Redis "
+            f"{config.kafka.bootstrap}{'' if servers.kafka is None else ', embedded'}; Redis "
             f"{config.redis_url.rpartition('@')[2]}{'' if servers.redis is None else ', embedded'}"
             f"), {config.partitions} partitions"
         )
-        asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
+        # Rejections of this run only: the topic may hold earlier runs' on other servers.
+        rejected_from = asyncio.run(
+            end_offsets(config.kafka, config.topics["rejected"], range(config.partitions))
+        )
         # As in production: each process under its own least-privilege Redis user, when
         # this run started the Redis server (and so administers it).
         envs = (
@@ -108,15 +123,24 @@ def run_stream(
         )
         stack.callback(consumer.stop)
         print(f"live page: {url}/  (counts, privacy tests, delays; it updates itself)")
-        totals, sent, closed = asyncio.run(_stream(config, input_path, id_column, rate, url))
-        _summary(config, totals, sent, closed, _last_report(url, config))
+        totals, sent, closed = asyncio.run(
+            _stream(config, input_path, id_column, delimiter, rate, url)
+        )
+        rejections = asyncio.run(
+            _rejections(config, rejected_from, totals.get("rejected", 0), input_path,
+                        id_column, delimiter)
+        )  # fmt: skip
+        _summary(config, totals, sent, closed, _last_report(url, config), rejections)
+        if rejected_out is not None:
+            _write_rejections(rejections, rejected_out)
+            print(f"rejected records: {len(rejections):,} rows written to {rejected_out}")
         if published_out is not None:
             published = totals.get("published", 0)
             written = asyncio.run(_write_published(config, published, published_out))
             print(f"published records: {written:,} rows written to {published_out}")
         print(
             f"published records: topic {config.topics['published']} at "
-            f"{config.kafka_bootstrap}"
+            f"{config.kafka.bootstrap}"
             + (
                 f" (gone when this run ends{'' if config.windowed else ': use --published-out'})"
                 if servers.kafka
@@ -146,6 +170,7 @@ async def _stream(
     config: StreamConfig,
     input_path: Path,
     id_column: str | None,
+    delimiter: str | None,
     rate: float | None,
     url: str,
 ) -> tuple[dict[str, int], int, dict[str, Any]]:
@@ -159,8 +184,8 @@ async def _stream(
     note = total and floor_note(total, config.mixing_pool, config.partitions, config.min_mixing)
     if note:
         print(note)
-    with input_path.open(newline="") as stream:
-        rows = rows_of(stream, config, id_column)
+    with open_text(input_path) as stream:
+        rows = rows_of(stream, config, id_column, delimiter)
         producing = asyncio.create_task(produce(config, rows, total, rate, progress=False))
         totals: dict[str, int] = {}
         closed: dict[str, Any] = {}
@@ -263,49 +288,160 @@ def _summary(
     sent: int,
     closed: dict[str, Any],
     status: dict,
+    rejections: list[RejectedRow],
 ) -> None:
     print(
         f"\nrecords: {sent:,} sent, {totals.get('ingested', 0):,} in, "
         f"{totals.get('published', 0):,} published, {totals.get('suppressed', 0):,} "
         f"suppressed, {totals.get('rejected', 0):,} rejected"
-        + (f" (reasons on {config.topics['rejected']})" if totals.get("rejected") else "")
         + (f", {totals['redelivered']:,} sent again" if totals.get("redelivered") else "")
     )
     for line in describe_closed(config, closed, dict(totals))[1:]:
         print(line)
+    if rejections:
+        print("rejected rows (line of the input, field: reason):")
+        for row in rejections[:REJECTIONS_SHOWN]:
+            print(f"  {row.where()}: {row.reason}")
+        if len(rejections) > REJECTIONS_SHOWN:
+            print(f"  and {len(rejections) - REJECTIONS_SHOWN:,} more (--rejected-out keeps all)")
     if status["standing"]:
-        print("standing queries (estimate [95% interval, where the mechanism gives one]):")
+        print("standing queries: estimate [95% interval], ± half its width:")
         for answer in status["standing"]:
-            interval = f" [{answer['low']:,.1f}, {answer['high']:,.1f}]" if "low" in answer else ""
-            print(f"  {answer['name']}: {answer['estimate']:,.1f}{interval}")
+            print(f"  {answer['name']}: {estimate_text(answer)}")
+        print(INTERVALS_IN_WORDS)
     verdicts = [f"{t['test']} {'pass' if t['passed'] else 'FAIL'}" for t in status["tests"]]
     verdicts += [f"{t['test']} n/a" for t in status.get("not_applicable", [])]
     if verdicts:
         print(f"privacy tests (last report): {', '.join(verdicts)}")
 
 
+INTERVALS_IN_WORDS = (
+    "  The true count lies inside its 95% interval 19 times in 20. A large count comes out\n"
+    "  within the ± shown; a count of a few people (10 or fewer) is noisy on purpose, so\n"
+    "  that no one can tell from the published records who holds a sensitive value: that\n"
+    "  noise is the privacy."
+)
+
+
+def count_text(value: float) -> str:
+    """A count as estimates show it: fractions kept (0.46, not 0), thousands separated."""
+    return f"{value:,.2f}" if abs(value) < 100 else f"{value:,.1f}"
+
+
+def estimate_text(answer: Mapping[str, Any]) -> str:
+    """An answer's estimate, its interval where the mechanism gives one, and the interval's
+    half-width relative to the estimate."""
+    text = count_text(answer["estimate"])
+    if answer.get("low") is None or answer.get("high") is None:
+        return text
+    text += f" [{count_text(answer['low'])}, {count_text(answer['high'])}]"
+    if answer["estimate"] >= 1:
+        text += f" ±{(answer['high'] - answer['low']) / 2 / answer['estimate']:.0%}"
+    return text
+
+
+@dataclass(frozen=True)
+class RejectedRow:
+    """A record the worker rejected, with the line of the input it came from."""
+
+    line: int | None
+    key: str | None
+    field: str | None
+    reason: str
+
+    def where(self) -> str:
+        place = f"line {self.line:,}" if self.line is not None else f"id {self.key!r}"
+        return place if self.field is None else f"{place}, field {self.field!r}"
+
+
+async def _rejections(
+    config: StreamConfig,
+    start: Mapping[int, int],
+    expected: int,
+    input_path: Path,
+    id_column: str | None,
+    delimiter: str | None,
+) -> list[RejectedRow]:
+    """The run's rejections from `<stream>.rejected` (from the offsets `start`), each with
+    the line of the input its record came from, in the input's order."""
+    if not expected:
+        return []
+    messages = await _read_topic(
+        config, config.topics["rejected"], expected, start, identity=_raw_position
+    )
+    entries = [json.loads(value) for value in messages.values()]
+    wanted = {(e["key"], e["value"]) for e in entries}
+    lines: dict[tuple[str, str], int] = {}
+    with open_text(input_path) as stream:
+        for line, key, value in numbered_rows(stream, config, id_column, delimiter):
+            record = (key.decode("utf-8", "replace"), value.decode("utf-8", "replace"))
+            if record in wanted:
+                lines.setdefault(record, line)
+    rows = [
+        RejectedRow(lines.get((e["key"], e["value"])), e["key"], e["field"], e["reason"])
+        for e in entries
+    ]
+    return sorted(rows, key=lambda r: (r.line is None, r.line or 0, r.key or ""))
+
+
+def _raw_position(message: ConsumerRecord) -> tuple[int, int]:
+    """Where a rejected record was read: a rejection sent twice (a worker retried) is one."""
+    entry = json.loads(message.value)
+    return entry["partition"], entry["offset"]
+
+
+def _write_rejections(rows: list[RejectedRow], path: Path) -> None:
+    """Every rejected row as CSV: its line in the input, its id, the field and the reason
+    (never the value)."""
+    with path.open("w", newline="") as stream:
+        writer = csv.writer(stream)
+        writer.writerow(REJECTED_COLUMNS)
+        writer.writerows((r.line, r.key, r.field, r.reason) for r in rows)
+
+
 async def _write_published(config: StreamConfig, expected: int, path: Path) -> int:
     """Write each published record once (by token) as CSV; how many rows."""
-    consumer = AIOKafkaConsumer(
-        config.topics["published"], bootstrap_servers=config.kafka_bootstrap,
-        auto_offset_reset="earliest", enable_auto_commit=False,
-    )  # fmt: skip
-    await consumer.start()
-    records: dict[bytes, dict[str, str]] = {}
-    deadline = time.monotonic() + TIMEOUT
-    try:
-        while len(records) < expected and time.monotonic() < deadline:
-            for messages in (await consumer.getmany(timeout_ms=500)).values():
-                for message in messages:
-                    records.setdefault(message.key, json.loads(message.value))
-    finally:
-        await consumer.stop()
+    records = await _read_topic(
+        config, config.topics["published"], expected, identity=lambda m: m.key
+    )
     names = config.schema.names
     with path.open("w", newline="") as stream:
         writer = csv.writer(stream)
         writer.writerow(names)
-        writer.writerows([record[n] for n in names] for record in records.values())
+        writer.writerows([json.loads(value)[n] for n in names] for value in records.values())
     return len(records)
+
+
+async def _read_topic(
+    config: StreamConfig,
+    topic: str,
+    expected: int,
+    start: Mapping[int, int] | None = None,
+    *,
+    identity: Callable[[ConsumerRecord], Hashable],
+) -> dict[Hashable, bytes]:
+    """The values of `topic`'s messages from `start` (partition: offset; default: the
+    earliest), one per `identity`, until `expected` are read or TIMEOUT passes."""
+    consumer = AIOKafkaConsumer(
+        *([topic] if start is None else []), **client_options(config.kafka),
+        auto_offset_reset="earliest", enable_auto_commit=False,
+    )  # fmt: skip
+    await start_client(consumer, config.kafka)
+    records: dict[Hashable, bytes] = {}
+    deadline = time.monotonic() + TIMEOUT
+    try:
+        if start is not None:
+            partitions = [TopicPartition(topic, p) for p in start]
+            consumer.assign(partitions)
+            for tp in partitions:
+                consumer.seek(tp, start[tp.partition])
+        while len(records) < expected and time.monotonic() < deadline:
+            for messages in (await consumer.getmany(timeout_ms=500)).values():
+                for message in messages:
+                    records.setdefault(identity(message), message.value)
+    finally:
+        await consumer.stop()
+    return records
 
 
 def _serve(url: str) -> None:

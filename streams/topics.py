@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
-from collections.abc import Coroutine, Iterable, Iterator, Mapping
+from collections.abc import Coroutine, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka import errors as kafka_errors
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+from service.config import KafkaSettings
+from streams.kafka import CONFIG_HINT, BrokerRefusedError, client_options, start_client
 
 T = TypeVar("T")
 # Copies per partition on a cluster that has the brokers for it.
@@ -20,20 +21,12 @@ REPLICATION = 3
 END_READ = 5.0  # seconds `end_offsets` may read past the end a broker reports
 
 
-# How a stream's process is pointed at another broker.
-CONFIG_HINT = "set KAFKA_BOOTSTRAP or [kafka] bootstrap in the stream's config"
-
-
-class BrokerUnreachableError(ConnectionError):
-    """No Kafka broker answers at a stream's bootstrap address."""
-
-
 class TopicMismatchError(ValueError):
     """A stream's topic exists with another partition count than its config names."""
 
 
 async def create_topics(
-    bootstrap: str,
+    kafka: KafkaSettings,
     topics: Mapping[str, int],
     configs: Mapping[str, Mapping[str, str]] | None = None,
 ) -> None:
@@ -46,7 +39,7 @@ async def create_topics(
     Redis keys are tagged, so an existing topic with another count raises ValueError instead
     of being used. A topic created by someone else meanwhile is fine (idempotent).
     """
-    admin = await _admin(bootstrap)
+    admin = await _admin(kafka)
     try:
         existing = await _partition_counts(admin)
         wrong = {
@@ -57,38 +50,48 @@ async def create_topics(
         if wrong:
             counts = ", ".join(f"{n} has {p}, wanted {topics[n]}" for n, p in wrong.items())
             raise TopicMismatchError(
-                f"topics exist with other partition counts ({counts}) at {bootstrap}: set "
+                f"topics exist with other partition counts ({counts}) at {kafka.bootstrap}: set "
                 "stream.partitions to their count, or delete them if they hold nothing you "
                 "need (kafka-topics.sh --delete --topic NAME) and start again"
             )
-        brokers = len((await admin.describe_cluster())["brokers"])
-        replicas = min(REPLICATION, brokers)
-        missing = [
-            NewTopic(n, p, replicas, topic_configs=dict((configs or {}).get(n, {})))
-            for n, p in topics.items()
-            if n not in existing
-        ]
+        missing = [name for name in topics if name not in existing]
         if not missing:
             return
-        response = await admin.create_topics(missing)
+        replicas = min(REPLICATION, len((await admin.describe_cluster())["brokers"]))
+        response = await admin.create_topics(
+            [
+                NewTopic(n, topics[n], replicas, topic_configs=dict((configs or {}).get(n, {})))
+                for n in missing
+            ]
+        )
     finally:
         await admin.close()
     for result in response.to_object()["topic_errors"]:
         error = kafka_errors.for_code(result["error_code"])
+        if error in (kafka_errors.TopicAuthorizationFailedError,
+                     kafka_errors.ClusterAuthorizationFailedError):  # fmt: skip
+            raise BrokerRefusedError(
+                f"topic {result['topic']} does not exist at {kafka.bootstrap} or is not visible "
+                f"to {kafka.username or 'this client'}, which may not create it: have the "
+                "admin create the stream's topics and grant this role its ACLs (README: the "
+                "ACL table)"
+            )
         if error not in (kafka_errors.NoError, kafka_errors.TopicAlreadyExistsError):
             raise error(f"creating topic {result['topic']}: {result['error_message']}")
 
 
-async def end_offsets(bootstrap: str, topic: str, partitions: Iterable[int]) -> dict[int, int]:
+async def end_offsets(
+    kafka: KafkaSettings, topic: str, partitions: Iterable[int]
+) -> dict[int, int]:
     """Each partition's end offset: the offset the next record written there will get.
 
     The embedded broker reports a partition's end short of its last batch (the batch's
     first offset plus one), so the records past the reported end are read as well, until
     a fetch finds none (at most END_READ seconds while producers keep writing)."""
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=100
+    consumer = await start_client(
+        AIOKafkaConsumer(**client_options(kafka), enable_auto_commit=False, fetch_max_wait_ms=100),
+        kafka,
     )
-    await consumer.start()
     try:
         wanted = [TopicPartition(topic, p) for p in partitions]
         reported = await consumer.end_offsets(wanted)
@@ -105,46 +108,24 @@ async def end_offsets(bootstrap: str, topic: str, partitions: Iterable[int]) -> 
         await consumer.stop()
 
 
-async def existing_topics(bootstrap: str, hint: str = CONFIG_HINT) -> dict[str, int]:
-    """Every topic at `bootstrap` with its partition count; `hint` ends the error if no
-    broker answers."""
-    admin = await _admin(bootstrap, hint)
+async def existing_topics(kafka: KafkaSettings, hint: str = CONFIG_HINT) -> dict[str, int]:
+    """Every topic this client may see at the brokers with its partition count; `hint`
+    ends the error if no broker answers."""
+    admin = await _admin(kafka, hint)
     try:
         return await _partition_counts(admin)
     finally:
         await admin.close()
 
 
-async def _admin(bootstrap: str, hint: str = CONFIG_HINT) -> AIOKafkaAdminClient:
-    """A started admin client, or BrokerUnreachableError ending with `hint`."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    try:
-        # Our one line says it; aiokafka would log each failed connection as well.
-        with _silenced("aiokafka"):
-            await admin.start()
-    except kafka_errors.KafkaConnectionError:
-        await admin.close()
-        raise BrokerUnreachableError(
-            f"no Kafka broker answers at {bootstrap}: start one (`splu up` runs an embedded "
-            f"one) or {hint}"
-        ) from None
-    return admin
+async def _admin(kafka: KafkaSettings, hint: str = CONFIG_HINT) -> AIOKafkaAdminClient:
+    """A started admin client, or a one-line error ending with `hint` (`start_client`)."""
+    return await start_client(AIOKafkaAdminClient(**client_options(kafka)), kafka, hint)
 
 
 async def _partition_counts(admin: AIOKafkaAdminClient) -> dict[str, int]:
     # All topics: asking for named ones would auto-create them on tansu.
     return {t["topic"]: len(t["partitions"]) for t in await admin.describe_topics()}
-
-
-@contextmanager
-def _silenced(logger: str) -> Iterator[None]:
-    log = logging.getLogger(logger)
-    level = log.level
-    log.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
 
 
 def run_in_thread(step: Coroutine[Any, Any, T]) -> T:

@@ -68,7 +68,7 @@ def create_windowed_app(
         config.topics["raw"], partitions=config.partitions, value_serializer="raw",
         key_serializer="raw",
     )  # fmt: skip
-    publisher = Publisher(config.kafka_bootstrap, loop=app.loop)
+    publisher = Publisher(config.kafka, loop=app.loop)
     app.add_dependency(publisher)
     preparer = WindowPreparer(config, key)
     client = redis_client(app, config)

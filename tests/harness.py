@@ -27,6 +27,7 @@ from service.config import StreamConfig, load_config
 from service.ingest import PreparedBatch
 from service.table import open_sample
 from streams.app import partition_of
+from streams.kafka import client_options
 
 EXAMPLES = Path(__file__).parents[1] / "deploy" / "examples"
 RECORDS = 20_000
@@ -47,7 +48,9 @@ class Harness:
         partitions: int = 2,
         redis_settings: dict | None = None,
         personal: dict | None = None,
+        kafka: dict | None = None,
     ) -> None:
+        """`kafka`: [kafka] settings over the servers' bootstrap (TLS, SASL)."""
         document = tomllib.loads((EXAMPLES / example).read_text())
         name = f"it{uuid.uuid4().hex[:8]}"
         document["stream"].update(
@@ -56,6 +59,7 @@ class Harness:
         )  # fmt: skip
         document["stream"]["mixing_pool"] = 500
         document["kafka"]["bootstrap"] = servers.kafka_bootstrap
+        document["kafka"].update(kafka or {})
         document["redis"]["url"] = redis_url or servers.redis_url
         document["redis"]["cluster"] = servers.redis_cluster
         document["redis"].update(redis_settings or {})
@@ -120,7 +124,7 @@ class Harness:
 
     async def read(self, topic: str, expected: int, key=None) -> dict:
         consumer = AIOKafkaConsumer(
-            topic, bootstrap_servers=self.config.kafka_bootstrap,
+            topic, **client_options(self.config.kafka),
             auto_offset_reset="earliest", enable_auto_commit=False,
         )  # fmt: skip
         await consumer.start()
@@ -154,7 +158,7 @@ class Harness:
         broker reports (tansu's can fall short by its last batch) until a second passes
         with nothing new."""
         consumer = AIOKafkaConsumer(
-            bootstrap_servers=self.config.kafka_bootstrap, enable_auto_commit=False,
+            **client_options(self.config.kafka), enable_auto_commit=False,
             auto_offset_reset="earliest",
         )  # fmt: skip
         await consumer.start()
@@ -182,7 +186,7 @@ class Harness:
     async def committed_offsets(self, topic: str, group: str) -> dict[int, int | None]:
         """The offsets consumer group `group` committed on each partition of `topic`."""
         consumer = AIOKafkaConsumer(
-            bootstrap_servers=self.config.kafka_bootstrap, group_id=group,
+            **client_options(self.config.kafka), group_id=group,
             enable_auto_commit=False,
         )  # fmt: skip
         await consumer.start()
@@ -199,7 +203,7 @@ class Harness:
         standalone consumer; returns the committed offsets. The group must have no live
         member: a stopped one may hold on until its session times out, so this retries."""
         consumer = AIOKafkaConsumer(
-            bootstrap_servers=self.config.kafka_bootstrap, group_id=group,
+            **client_options(self.config.kafka), group_id=group,
             enable_auto_commit=False,
         )  # fmt: skip
         await consumer.start()
@@ -236,7 +240,7 @@ class Harness:
         except KafkaError:
             pass
         consumer = AIOKafkaConsumer(
-            topic, bootstrap_servers=self.config.kafka_bootstrap, group_id=group,
+            topic, **client_options(self.config.kafka), group_id=group,
             enable_auto_commit=False, session_timeout_ms=6000, heartbeat_interval_ms=1000,
             max_poll_interval_ms=3000, rebalance_timeout_ms=3000,
             partition_assignment_strategy=(FaustNamedAssignor,),

@@ -101,7 +101,7 @@ async def observe(harness: Harness, deadline: float) -> list[Sample]:
     config = harness.config
     client = aioredis.from_url(config.redis_url)
     state = BufferState(client, config)
-    admin = AIOKafkaAdminClient(bootstrap_servers=config.kafka_bootstrap)
+    admin = AIOKafkaAdminClient(bootstrap_servers=config.kafka.bootstrap)
     await admin.start()
     raw = [TopicPartition(config.topics["raw"], p) for p in range(config.partitions)]
     samples: list[Sample] = []
@@ -140,7 +140,7 @@ def test_full_buffer_pauses_consumption_and_time_resumes_it(servers, tmp_path):
     config = harness.config
     messages = uncountable_records(config.schema.names)
     assert len(messages) == RECORDS
-    asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
+    asyncio.run(create_topics(config.kafka, config.topic_partitions))
     assert asyncio.run(produce(config, iter(messages), progress=False)) == RECORDS
     # A guard against a stuck worker, not a pace: the worker takes about one buffer's worth
     # (BUFFER_CAP) per pause, and a pause lasts until its oldest records expire (max_wait,
@@ -207,7 +207,7 @@ def test_a_paused_stream_caps_its_mixing_pool_and_publishes_it_all_after(servers
         """Each partition's counters and gauges, and the raw offsets the worker committed."""
         client = aioredis.from_url(config.redis_url)
         state = BufferState(client, config)
-        admin = AIOKafkaAdminClient(bootstrap_servers=config.kafka_bootstrap)
+        admin = AIOKafkaAdminClient(bootstrap_servers=config.kafka.bootstrap)
         await admin.start()
         raw = [TopicPartition(config.topics["raw"], p) for p in range(config.partitions)]
         try:
@@ -229,7 +229,7 @@ def test_a_paused_stream_caps_its_mixing_pool_and_publishes_it_all_after(servers
         await BufferState(client, config).pause(reason)
         await client.aclose()
 
-    asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
+    asyncio.run(create_topics(config.kafka, config.topic_partitions))
     asyncio.run(pause("adversary test failed (test)"))
     assert asyncio.run(produce(config, iter(messages), progress=False)) == RECORDS
     harness.start_worker()

@@ -30,6 +30,7 @@ BENCH = Path(__file__).parents[1] / "bench"
             ["--queries", "20", "--publications", "1", "--rows", "5000", "--repeats", "1"],
             "SPS publish 5,000 rows",
         ),
+        ("personal_reserve.py", ["--sizes", "5000", "--publications", "2"], "borrowed rows"),
         (
             "stream_throughput.py",
             ["--records", "5000", "--buffered", "5000", "--backfill", "0", "--no-targets"],

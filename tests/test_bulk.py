@@ -32,7 +32,7 @@ pytestmark = pytest.mark.stream
 def test_a_kill_between_store_and_commit_loses_and_rerandomizes_nothing(servers, tmp_path, example):
     harness = Harness(servers, tmp_path, example)
     config = harness.config
-    asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
+    asyncio.run(create_topics(config.kafka, config.topic_partitions))
     # Produced first: the worker's fetches are full, so the lost commit covers a batch.
     asyncio.run(produce(config, iter(adult_rows(config)), progress=False))
     # The topic Redis stores from: a personal stream's second hop reads <stream>.grouped.

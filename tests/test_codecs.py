@@ -49,7 +49,7 @@ def librdkafka_produce(
     default partitioner (CRC-32 of the key), one batch where they fit."""
     producer = Producer(
         {
-            "bootstrap.servers": config.kafka_bootstrap, "acks": "all",
+            "bootstrap.servers": config.kafka.bootstrap, "acks": "all",
             "compression.type": compression, "linger.ms": 50,
         }
     )  # fmt: skip
@@ -75,7 +75,7 @@ def test_every_codec_and_partitioner_takes_each_response_in_once(servers, tmp_pa
         reports={"fail_closed": []},
     )  # fmt: skip
     config = harness.config
-    asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
+    asyncio.run(create_topics(config.kafka, config.topic_partitions))
     rows = adult_rows(config)[: PER_CODEC * len(CODECS)]
     harness.start_worker()
     harness.start_consumer()
@@ -120,7 +120,7 @@ def test_a_batch_the_worker_cannot_decode_holds_its_partition_until_skipped(serv
         reports={"fail_closed": []},
     )  # fmt: skip
     config = harness.config
-    asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
+    asyncio.run(create_topics(config.kafka, config.topic_partitions))
     # The worker's Python finds a cramjam that fails to import: aiokafka then has no
     # snappy, lz4 or zstd, as an image built without the codec extras.
     shadow = tmp_path / "shadow"

@@ -40,7 +40,7 @@ BATCH_OPTIONS = {
     "decoy": ["--mechanism", "decoy", "--gamma", "5", "--sensitive", "occupation"],
     "personal": [
         "--mechanism", "personal", "--sensitive", "income", "--retention", "0.5",
-        "--lambda", "0.3", "--delta", "0.3", "--budget", "conservative",
+        "--lambda", "0.3", "--delta", "0.3", "--budget", "conservative", "--stream",
     ],
 }  # fmt: skip
 
@@ -116,7 +116,7 @@ def write_published_csv(path: Path, config, records: list[dict]) -> None:
 async def resend(config, messages: dict) -> None:
     """Publish copies of already published records under their tokens, to their token's
     partition, as a worker re-sending its in-flight records after a crash does."""
-    producer = AIOKafkaProducer(bootstrap_servers=config.kafka_bootstrap, enable_idempotence=False)
+    producer = AIOKafkaProducer(bootstrap_servers=config.kafka.bootstrap, enable_idempotence=False)
     await producer.start()
     try:
         for token, value in messages.items():
@@ -135,7 +135,7 @@ def test_consumer_estimates_equal_batch_reconstruction(servers, tmp_path, mechan
         reports={"dp_epsilon": 0.5, "fail_closed": []},
     )  # fmt: skip
     config = harness.config
-    asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
+    asyncio.run(create_topics(config.kafka, config.topic_partitions))
     worker_url = f"http://127.0.0.1:{free_port()}"
     harness.start_worker(port=int(worker_url.rsplit(":", 1)[1]))
     harness.start_consumer()

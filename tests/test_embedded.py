@@ -27,6 +27,7 @@ from deploy.embedded import (
     RedisServer,
     ServerStartError,
 )
+from service.config import KafkaSettings
 from streams.topics import create_topics, run_in_thread
 
 # Talks to a Redis-protocol server: .ci/run repeats these against Debian's redis-server.
@@ -89,8 +90,8 @@ def test_kafka_round_trip_on_a_topic_with_three_partitions(servers: Endpoints) -
     topic = f"embedded-{uuid.uuid4().hex}"
 
     async def round_trip() -> None:
-        await create_topics(servers.kafka_bootstrap, {topic: 3})
-        await create_topics(servers.kafka_bootstrap, {topic: 3})
+        await create_topics(KafkaSettings(servers.kafka_bootstrap), {topic: 3})
+        await create_topics(KafkaSettings(servers.kafka_bootstrap), {topic: 3})
         # tansu has no idempotent producer.
         producer = AIOKafkaProducer(
             bootstrap_servers=servers.kafka_bootstrap, enable_idempotence=False
@@ -120,9 +121,9 @@ def test_kafka_round_trip_on_a_topic_with_three_partitions(servers: Endpoints) -
 
 def test_an_existing_topic_with_another_partition_count_is_refused(servers: Endpoints) -> None:
     topic = f"embedded-{uuid.uuid4().hex}"
-    run_in_thread(create_topics(servers.kafka_bootstrap, {topic: 3}))
+    run_in_thread(create_topics(KafkaSettings(servers.kafka_bootstrap), {topic: 3}))
     with pytest.raises(ValueError, match=f"{topic} has 3, wanted 2"):
-        run_in_thread(create_topics(servers.kafka_bootstrap, {topic: 2}))
+        run_in_thread(create_topics(KafkaSettings(servers.kafka_bootstrap), {topic: 2}))
 
 
 def test_redis_answers(servers: Endpoints) -> None:

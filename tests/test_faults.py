@@ -42,6 +42,7 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 import redis.asyncio as aioredis
 from harness import RECORDS, Harness, adult_rows
@@ -52,8 +53,8 @@ from service import client as consumer_client
 from service.auditor import TrustedState
 from service.buffer import PoolEntry
 from service.config import StreamConfig
-from service.guarantees import trial_limit
 from service.ingest import Preparer, RawMessage
+from service.mechanisms.personal_stream import BORROWED, COPY, TRIAL, stream_trials
 from service.running_counts import CellCodec, RunningCounts
 from streams.bulk import EXIT_FAULT, FAULT_EXIT_BEFORE_COMMIT, FAULT_TOPIC
 from streams.produce import produce
@@ -413,35 +414,24 @@ def personal_publication(
     config: StreamConfig, records: dict[bytes, Record], order: dict[bytes, tuple[int, int]]
 ) -> dict[bytes, tuple[bytes, int]]:
     """(kind, published code) of every record, replaying `personal.lua` per group in the
-    order of <stream>.grouped (`grouped_order`), which holds each group in one partition:
-    a trial (its keyed perturbation) while the group's whole fixed budget lasts, then
-    copies of the trials of its value in turn (borrowed from the values with trials, in
-    turn, if its value has none)."""
+    order of <stream>.grouped (`grouped_order`), which holds each group in one partition
+    (`service.mechanisms.personal_stream`). The budget is fixed, so the release points,
+    which the replay cannot know, change nothing."""
     settings = config.personal
     assert settings is not None and settings.budget == "conservative", "a fixed budget"
-    m = config.schema.sensitive[0].size
-    budget = int(trial_limit(1.0, settings.retention, m, settings.lam, settings.delta))
-    groups: dict[bytes, dict] = {}
-    out: dict[bytes, tuple[bytes, int]] = {}
-    for record in sorted(records.values(), key=lambda r: order[r.id]):
-        group = groups.setdefault(
-            record.group, {"trials": 0, "of": defaultdict(list), "copies": Counter(), "borrows": 0}
+    arrived = sorted(records.values(), key=lambda r: order[r.id])
+    replay = stream_trials(
+        np.array([r.group for r in arrived]), np.array([r.values[0] for r in arrived]),
+        config.schema.sensitive[0].size, settings.budget, settings.retention, settings.lam,
+        settings.delta, settings.release_size,
+    )  # fmt: skip
+    marks = {TRIAL: b"t", COPY: b"c", BORROWED: b"b"}
+    return {
+        record.id: (marks[int(kind)], arrived[source].perturbed)
+        for record, kind, source in zip(
+            arrived, replay.kind.tolist(), replay.source.tolist(), strict=True
         )
-        value = record.values[0]
-        if group["trials"] < budget:
-            group["trials"] += 1
-            group["of"][value].append(record.perturbed)
-            out[record.id] = (b"t", record.perturbed)
-            continue
-        source, kind = value, b"c"
-        if not group["of"][value]:
-            with_trials = sorted(v for v, trials in group["of"].items() if trials)
-            source, kind = with_trials[group["borrows"] % len(with_trials)], b"b"
-            group["borrows"] += 1
-        trials = group["of"][source]
-        out[record.id] = (kind, trials[group["copies"][source] % len(trials)])
-        group["copies"][source] += 1
-    return out
+    }
 
 
 @dataclass
@@ -592,7 +582,7 @@ def test_crashes_and_replays_change_nothing_published(servers, tmp_path, mechani
     monitor.start()
     harness = Harness(servers, tmp_path, f"adult-{mechanism}.toml", redis_url=redis_server.url)
     config = harness.config
-    asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
+    asyncio.run(create_topics(config.kafka, config.topic_partitions))
     harness.start_worker()
     harness.start_consumer()
     try:
@@ -729,7 +719,7 @@ def test_a_kill_between_the_hops_loses_duplicates_and_rerandomizes_nothing(serve
     harness = Harness(servers, tmp_path, "adult-personal.toml")
     config = harness.config
     group = f"splu-{config.name}"
-    asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
+    asyncio.run(create_topics(config.kafka, config.topic_partitions))
     # Produced first: the worker's fetches are full, so the lost commit covers batches.
     asyncio.run(produce(config, iter(adult_rows(config)), progress=False))
     topic = config.topics[hop]

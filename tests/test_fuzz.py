@@ -772,7 +772,7 @@ def seeded_bad_messages(
 def test_a_worker_rejects_fuzzed_messages_and_publishes_the_good_ones(servers, tmp_path):
     harness = Harness(servers, tmp_path, "adult-decoy.toml")
     config = harness.config
-    asyncio.run(create_topics(config.kafka_bootstrap, dict.fromkeys(config.topics.values(), 2)))
+    asyncio.run(create_topics(config.kafka, dict.fromkeys(config.topics.values(), 2)))
     rows = adult_rows(config)
     good = rows[:GOOD]
     bad = seeded_bad_messages(config.schema, [v for _, v in rows[GOOD : GOOD + BAD]], 6003)
@@ -820,6 +820,9 @@ def test_a_worker_rejects_fuzzed_messages_and_publishes_the_good_ones(servers, t
         assert payload["reason"] and payload["key"] == key.decode()
         assert payload["value"] == (value or b"").decode("utf-8", "replace")
         assert not any(m.casefold() in payload["reason"].casefold() for m in markers)
+    # The worker's log line names each rejection's field (never its value).
+    fields = {json.loads(rejected[key])["field"] for key, _, _ in bad} - {None}
+    assert fields and all(f"field {f!r}: " in log for f in fields), log[-3000:]
 
     # Every good record is published once or suppressed; nothing waits.
     assert totals["rejected"] == BAD and totals["ingested"] == GOOD, totals

@@ -28,8 +28,9 @@ from service import client
 from service.cli import main as service_main
 from service.config import load_config
 from service.manifest import Manifest, ManifestError, Publication, Tally, manifest_topic
+from service.publication import stream_reconstruction
 from service.reconstruct import Query
-from service.running_counts import CellCodec, stream_reconstruction
+from service.running_counts import CellCodec
 from streams.cli import main as streams_main
 from streams.manifest import (
     ManifestConflictError,
@@ -102,7 +103,7 @@ def test_the_manifest_holds_the_public_parameters_and_nothing_secret(
         assert document["merge_map"] is None
     # Nothing of the key, its source, the servers or the operational settings.
     text = manifest.to_json().decode()
-    for secret in (KEY_HEX, "SPLU_SERVICE_KEY", config.redis_url, config.kafka_bootstrap):
+    for secret in (KEY_HEX, "SPLU_SERVICE_KEY", config.redis_url, config.kafka.bootstrap):
         assert secret not in text
     for operational in ("max_wait", "mixing_pool", "release_size", "window", "partitions"):
         assert f'"{operational}"' not in text
@@ -219,14 +220,12 @@ def test_query_topic_needs_a_bootstrap_and_no_mechanism_options(tmp_path, monkey
 
 
 async def _manifests_on_topic(config) -> list[bytes]:
-    return [
-        r.value for r in await read_to_end(config.kafka_bootstrap, manifest_topic(config.name), 1)
-    ]
+    return [r.value for r in await read_to_end(config.kafka, manifest_topic(config.name), 1)]
 
 
 async def _create(config) -> None:
     manifest, settings = manifest_topics(config)
-    await create_topics(config.kafka_bootstrap, {**config.topic_partitions, **manifest}, settings)
+    await create_topics(config.kafka, {**config.topic_partitions, **manifest}, settings)
 
 
 @pytest.mark.stream
@@ -306,7 +305,7 @@ def test_a_worker_started_with_another_gamma_refuses_and_loses_nothing(servers, 
     config = harness.config
     rows = adult_rows(config)
     first, second = rows[:3000], rows[3000:4500]
-    asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
+    asyncio.run(create_topics(config.kafka, config.topic_partitions))
     harness.start_worker()
     try:
         asyncio.run(produce(config, iter(first), progress=False))
@@ -354,7 +353,7 @@ def test_splu_query_topic_answers_as_the_consumer_without_config_or_redis(
         reports={"fail_closed": []},
     )  # fmt: skip
     config = harness.config
-    asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
+    asyncio.run(create_topics(config.kafka, config.topic_partitions))
     harness.start_worker()
     harness.start_consumer()
     try:
@@ -400,7 +399,7 @@ def test_splu_query_topic_answers_as_the_consumer_without_config_or_redis(
     env.update(REDIS_URL="redis://127.0.0.1:1/0", PYTHONPATH=str(ROOT))
     result = subprocess.run(
         [sys.executable, "-m", "streams.cli", "query", "--topic", config.name,
-         "--bootstrap", config.kafka_bootstrap, "--queries", str(tmp_path / "q.jsonl"),
+         "--bootstrap", config.kafka.bootstrap, "--queries", str(tmp_path / "q.jsonl"),
          "--output", str(tmp_path / "topic.jsonl")],
         cwd=workdir, env=env, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
@@ -413,7 +412,7 @@ def test_splu_query_topic_answers_as_the_consumer_without_config_or_redis(
     hidden.rename(harness.path)
 
     # The Python API gives the same numbers.
-    publication = read_publication(config.name, config.kafka_bootstrap)
+    publication = read_publication(config.name, config.kafka.bootstrap)
     assert publication.records == totals["published"] and publication.duplicates == 40
     assert [a["estimate"] for a in publication.answer(queries)] == [a["estimate"] for a in read]
 
@@ -424,7 +423,7 @@ async def resend_some(harness: Harness, count: int) -> None:
     config = harness.config
     topic = config.topics["published"]
     records = (await harness.read_all(topic, timeout=30))[:count]
-    producer = AIOKafkaProducer(bootstrap_servers=config.kafka_bootstrap, enable_idempotence=False)
+    producer = AIOKafkaProducer(bootstrap_servers=config.kafka.bootstrap, enable_idempotence=False)
     await producer.start()
     try:
         for record in records:

@@ -29,13 +29,13 @@ from service.metrics import (
 )
 from service.prf import ServiceKey, random_ids
 from service.privacy_tests import adversary, budget, eligibility, guarantees
+from service.publication import stream_reconstruction
 from service.reconstruct import PublishedCells
 from service.running_counts import (
     CellCodec,
     LegacyCountsError,
     PublishedRecordError,
     RunningCounts,
-    stream_reconstruction,
 )
 from service.table import open_sample, read_table
 

@@ -221,7 +221,7 @@ def test_prometheus_answers_every_dashboard_query_and_fires_on_a_failed_privacy_
 ):
     harness = Harness(servers, tmp_path, "adult-decoy.toml", row_column=False)
     config = harness.config
-    asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
+    asyncio.run(create_topics(config.kafka, config.topic_partitions))
     worker_port = free_port()
     harness.start_worker(port=worker_port)
     harness.start_consumer()

@@ -52,7 +52,7 @@ def write_csv(path: Path, rows: list[dict[str, str]]) -> None:
 async def resend(config, rows: list[dict[str, str]]) -> int:
     """Each keyed row to every raw partition but the one `splu produce` sent it to (the
     default partitioner's), by a plain producer: how many messages."""
-    producer = AIOKafkaProducer(bootstrap_servers=config.kafka_bootstrap, acks="all")
+    producer = AIOKafkaProducer(bootstrap_servers=config.kafka.bootstrap, acks="all")
     await producer.start()
     partitioner, everyone = DefaultPartitioner(), list(range(PARTITIONS))
     sent = 0
@@ -100,7 +100,7 @@ def test_a_reexport_and_resent_responses_are_randomized_once(servers, tmp_path):
     keyed = tmp_path / "keyed.csv"
     write_csv(keyed, keyed_rows)
 
-    asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
+    asyncio.run(create_topics(config.kafka, config.topic_partitions))
     harness.start_worker()
     harness.start_consumer()
     try:

@@ -16,6 +16,7 @@ says so and --published-out writes a header alone.
 from __future__ import annotations
 
 import csv
+import json
 import os
 import re
 import subprocess
@@ -36,20 +37,24 @@ PLANS = ("basic", "plus", "pro")
 ANSWERS = ("never", "rarely", "sometimes", "often", "always", "refused")
 ROWS = 400
 INVALID = 3
+PERSONAL_ANSWERS = 3  # the personal stream's sensitive domain: its first answers
 SUMMARY = re.compile(
     r"records: ([\d,]+) sent, ([\d,]+) in, ([\d,]+) published, ([\d,]+) suppressed, "
     r"([\d,]+) rejected"
 )
 
 
-def write_survey(path: Path, rows: int = ROWS) -> list[dict[str, str]]:
+def write_survey(path: Path, rows: int = ROWS, answers: int = len(ANSWERS)) -> list[dict[str, str]]:
+    """`rows` valid responses whose answers are the first `answers` of ANSWERS, then the
+    INVALID ones."""
     rng = np.random.default_rng(5)
+    shares = np.array([0.3, 0.25, 0.2, 0.12, 0.08, 0.05][:answers])
     rows = [
         {
             "respondent": f"r{i:05d}",
             "region": REGIONS[rng.integers(len(REGIONS))],
             "plan": PLANS[rng.choice(len(PLANS), p=[0.6, 0.3, 0.1])],
-            "answer": ANSWERS[rng.choice(len(ANSWERS), p=[0.3, 0.25, 0.2, 0.12, 0.08, 0.05])],
+            "answer": ANSWERS[rng.choice(answers, p=shares / shares.sum())],
         }
         for i in range(rows)
     ]
@@ -65,7 +70,7 @@ def write_survey(path: Path, rows: int = ROWS) -> list[dict[str, str]]:
 
 
 def write_config(path: Path, mechanism: str) -> None:
-    sensitive = ANSWERS if mechanism == "decoy" else ANSWERS[:3]
+    sensitive = ANSWERS if mechanism == "decoy" else ANSWERS[:PERSONAL_ANSWERS]
     document: dict = {
         "stream": {
             "name": f"survey-{mechanism}", "mechanism": mechanism, "partitions": 2,
@@ -112,14 +117,9 @@ def number(text: str) -> int:
 @pytest.mark.parametrize("mechanism", ["decoy", "personal"])
 def test_run_streams_a_users_csv_and_writes_what_was_published(tmp_path, mechanism):
     source, config, out = tmp_path / "survey.csv", tmp_path / "survey.toml", tmp_path / "out.csv"
-    rows = write_survey(source)
-    assert len(rows) - INVALID < 1000  # the default floor, which the config keeps
-    if mechanism == "personal":
-        rows = [r for r in rows if r["answer"] in ANSWERS[:3] or r["region"] == "mars"]
-        with source.open("w", newline="") as stream:
-            writer = csv.DictWriter(stream, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+    answers = len(ANSWERS) if mechanism == "decoy" else PERSONAL_ANSWERS
+    rows = write_survey(source, answers=answers)
+    assert len(rows) - INVALID == ROWS < 1000  # the default floor, which the config keeps
     write_config(config, mechanism)
     result = splu_run(tmp_path, config, source, "--published-out", str(out))
     output = result.stdout + result.stderr
@@ -130,7 +130,7 @@ def test_run_streams_a_users_csv_and_writes_what_was_published(tmp_path, mechani
     assert summary, output
     sent, ingested, published, suppressed, rejected = map(number, summary.groups())
     assert sent == len(rows) and rejected == INVALID, output
-    assert ingested == sent - rejected == published + suppressed, output
+    assert ingested == sent - rejected == published + suppressed == ROWS, output
     assert published > 0.9 * ingested, output
     assert "responses never fill the mixing floor of 1,000" in output, output
     assert "left as one take of" in output, output
@@ -190,3 +190,85 @@ def test_run_counts_a_windowed_stream_with_its_consumer(tmp_path):
     standing = re.search(r"  region=north ∧ answer=never: ([\d,.]+)\n", output)
     assert standing and float(standing.group(1).replace(",", "")) > 0, output
     assert "guarantees pass" in output and "adversary n/a" in output, output
+
+
+# A survey as a new user has one: respondent id, age, sex, region, education, and a health
+# condition (sensitive), with three broken rows at known lines of the file.
+CONDITIONS = ("none", "asthma", "diabetes", "hypertension", "arthritis", "depression", "migraine")
+BROKEN = {
+    52: ("condition", ["r9001", "34", "F", "north", "bachelor", ""]),
+    202: ("age", ["r9002", "unknown", "M", "south", "master", "asthma"]),
+    352: ("region", ["r9003", "61", "F"]),  # a short row: its last fields are missing
+}
+
+
+def write_health_survey(path: Path, excel: bool = False) -> int:
+    """400 rows and the broken ones; `excel` writes it as a spreadsheet in many locales
+    exports it: semicolons, CRLF line ends, a byte-order mark. Returns the good rows."""
+    rng = np.random.default_rng(33)
+    rows = [
+        [
+            f"r{i:04d}", str(rng.integers(18, 90)), ("F", "M")[rng.integers(2)],
+            REGIONS[rng.integers(len(REGIONS))],
+            ("primary", "secondary", "vocational", "bachelor", "master")[rng.integers(5)],
+            CONDITIONS[rng.choice(len(CONDITIONS), p=[0.3, 0.14, 0.12, 0.16, 0.1, 0.1, 0.08])],
+        ]
+        for i in range(ROWS)
+    ]  # fmt: skip
+    for line, (_, row) in sorted(BROKEN.items()):
+        rows.insert(line - 2, row)  # line 1 is the header
+    with path.open("w", newline="", encoding="utf-8-sig" if excel else "utf-8") as stream:
+        writer = csv.writer(stream, delimiter=";" if excel else ",",
+                            lineterminator="\r\n" if excel else "\n")  # fmt: skip
+        writer.writerow(["respondent", "age", "sex", "region", "education", "condition"])
+        writer.writerows(rows)
+    return ROWS
+
+
+@pytest.mark.parametrize("export", ["comma", "excel"])
+def test_a_survey_planned_into_a_config_runs_unedited(tmp_path, export):
+    """`splu plan --config-out` writes a config from the survey alone; `splu run` takes it
+    as it is, publishes every accepted record and names the broken rows by line and field;
+    `splu query --config` answers from what it published."""
+    source, config = tmp_path / "survey.csv", tmp_path / "health.toml"
+    good = write_health_survey(source, excel=export == "excel")
+    plan = subprocess.run(
+        [*SPLU, "plan", "--input", str(source), "--sensitive", "condition",
+         "--quasi", "age,sex,region,education", "--id-column", "respondent",
+         "--config-out", str(config), "--seed", "3", "--publications", "1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert plan.returncode == 0, plan.stdout + plan.stderr
+    assert f"Wrote {config}" in plan.stdout and "splu run --config" in plan.stdout, plan.stdout
+    document = tomllib.loads(config.read_text())
+    # age holds a number per person: it is binned, and the config says so.
+    assert "bins" in document["schema"]["public"]["age"], document["schema"]
+    assert "# age: " in config.read_text()
+    assert document["reports"]["queries"], document["reports"]
+
+    result = splu_run(tmp_path, config, source, "--published-out", str(tmp_path / "out.csv"),
+                      "--rejected-out", str(tmp_path / "rejected.csv"))  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 0 and "Traceback" not in output, output
+    sent, ingested, published, suppressed, rejected = map(number, SUMMARY.search(output).groups())
+    assert (sent, ingested, rejected) == (good + len(BROKEN), good, len(BROKEN)), output
+    assert published == ingested and suppressed == 0, output
+    for line, (field, _) in BROKEN.items():
+        assert f"line {line}, field '{field}'" in output, output
+    with (tmp_path / "rejected.csv").open(newline="") as stream:
+        kept = list(csv.DictReader(stream))
+    assert [(int(r["line"]), r["field"]) for r in kept] == [
+        (line, field) for line, (field, _) in sorted(BROKEN.items())
+    ]
+    assert "standing queries: estimate [95% interval]" in output, output
+
+    queries = tmp_path / "queries.jsonl"
+    queries.write_text(json.dumps(document["reports"]["queries"][0]) + "\n")
+    answered = subprocess.run(
+        [*SPLU, "query", "--published", str(tmp_path / "out.csv"), "--config", str(config),
+         "--queries", str(queries), "--output", "-"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert answered.returncode == 0, answered.stderr
+    answer = json.loads(answered.stdout)
+    assert answer["low"] <= answer["estimate"] <= answer["high"]

@@ -98,11 +98,14 @@ async def counted(harness: Harness) -> dict[str, int]:
 
 
 def page(url: str) -> int:
+    """The page's HTTP status, or 0 while nothing answers there."""
     try:
         with urllib.request.urlopen(url, timeout=10) as response:
             return response.status
     except urllib.error.HTTPError as err:
         return err.code
+    except urllib.error.URLError:
+        return 0
 
 
 class Fleet:
@@ -246,10 +249,23 @@ async def listings(config, env: dict[str, str]) -> list[str]:  # type: ignore[no
     return allowed
 
 
-def produce_in_background(harness: Harness, rate: float = RATE) -> threading.Thread:
+WARM_UP = 500  # records ingested before the paced stream starts
+
+
+def produce_in_background(harness: Harness, fleet: Fleet, rate: float = RATE) -> threading.Thread:
+    """The paced stream, once every worker has partitions and a first few records went in:
+    group joins take seconds each, and a paced stream started before them would be over
+    by the time the workers read it, leaving no mid-stream moment for the kills."""
+    for port in fleet.worker_ports:
+        wait_for(lambda p=port: page(f"http://127.0.0.1:{p}/readyz") == 200, "a worker ready")
     rows = adult_rows(harness.config)
+    asyncio.run(produce(harness.config, iter(rows[:WARM_UP]), progress=False))
+    wait_for(
+        lambda: asyncio.run(totals(harness)).get("ingested", 0) >= WARM_UP, "the warm-up records"
+    )
+    paced = rows[WARM_UP:]
     thread = threading.Thread(
-        target=lambda: asyncio.run(produce(harness.config, iter(rows), rate=rate, progress=False))
+        target=lambda: asyncio.run(produce(harness.config, iter(paced), rate=rate, progress=False))
     )
     thread.start()
     return thread
@@ -270,12 +286,12 @@ def test_three_workers_and_two_consumers_on_a_redis_cluster_through_kills(
         reports={"fail_closed": []}, partitions=PARTITIONS,
     )  # fmt: skip
     config = harness.config
-    asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
+    asyncio.run(create_topics(config.kafka, config.topic_partitions))
     fleet = Fleet(harness, tmp_path, WORKERS, CONSUMERS)
     try:
         # On every node the consumer can neither list nor count keys (issue 30).
         assert asyncio.run(listings(config, fleet.envs["consumer"])) == []
-        producer = produce_in_background(harness)
+        producer = produce_in_background(harness, fleet)
         ingested = wait_for(
             lambda: (n := asyncio.run(totals(harness)).get("ingested", 0)) >= KILL_AT and n,
             "records to arrive",
@@ -382,13 +398,13 @@ def test_a_worker_and_a_consumer_ride_through_a_master_failover(replicated_clust
     )  # fmt: skip
     config = harness.config
     cluster = replicated_cluster.redis
-    asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
+    asyncio.run(create_topics(config.kafka, config.topic_partitions))
     slot_key = f"splu:{{{config.name}:0}}"
     master = cluster.master_of(slot_key)
     fleet = Fleet(harness, tmp_path, workers=1, consumers=1, redis_url=master.url)
     try:
         # Slower: the failover must come well before the stream's end.
-        producer = produce_in_background(harness, rate=RATE / 2)
+        producer = produce_in_background(harness, fleet, rate=RATE / 2)
         wait_for(
             lambda: asyncio.run(totals(harness)).get("ingested", 0) >= KILL_AT,
             "records to arrive",

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import csv
-import datetime
 import hashlib
-import ipaddress
 import itertools
 import json
 import os
@@ -47,6 +45,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoPermissionError
 from test_trust_boundary import assert_the_boundary_holds, observe
 
+from deploy.certificates import make_certificates
 from deploy.embedded import RedisServer, free_port, service_user_envs, spawn_consumer, spawn_worker
 from service import client
 from service.buffer import BufferState, connect
@@ -113,7 +112,7 @@ def rows(config, markers: dict[str, str], leaks: list[str]) -> list[tuple[bytes,
 
 async def read_published(config, expected: int) -> list:
     consumer = AIOKafkaConsumer(
-        config.topics["published"], bootstrap_servers=config.kafka_bootstrap,
+        config.topics["published"], bootstrap_servers=config.kafka.bootstrap,
         auto_offset_reset="earliest", enable_auto_commit=False,
     )  # fmt: skip
     await consumer.start()
@@ -134,7 +133,7 @@ def test_least_privilege_no_raw_values_in_logs_or_left_in_redis(servers, tmp_pat
     redis_server.start()
     config_path, markers = marker_config(tmp_path, redis_server.url, servers.kafka_bootstrap)
     config = load_config(config_path)
-    asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
+    asyncio.run(create_topics(config.kafka, config.topic_partitions))
     base_env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "KAFKA_BOOTSTRAP")}
     env = service_user_envs(config, {**base_env, "SPLU_SERVICE_KEY": secrets.token_hex(32)})
     assert "SPLU_SERVICE_KEY" not in env["consumer"]  # the consumer needs no key
@@ -275,49 +274,12 @@ def test_least_privilege_no_raw_values_in_logs_or_left_in_redis(servers, tmp_pat
     assert len(digests) == RECORDS and not unkeyed & set(digests)
 
 
-def _certificates(directory: Path) -> tuple[Path, Path, Path]:
-    """A throwaway CA and a server certificate for 127.0.0.1 signed by it."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    def name(text: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, text)])
-
-    now = datetime.datetime.now(datetime.UTC)
-    valid = now - datetime.timedelta(minutes=5), now + datetime.timedelta(hours=1)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    server_key = ec.generate_private_key(ec.SECP256R1())
-
-    def certificate(subject: str, key, extension, critical: bool) -> x509.Certificate:  # type: ignore[no-untyped-def]
-        builder = x509.CertificateBuilder().subject_name(name(subject))
-        builder = builder.issuer_name(name("splu test CA")).public_key(key.public_key())
-        builder = builder.serial_number(x509.random_serial_number())
-        builder = builder.not_valid_before(valid[0]).not_valid_after(valid[1])
-        return builder.add_extension(extension, critical=critical).sign(ca_key, hashes.SHA256())
-
-    ca = certificate("splu test CA", ca_key, x509.BasicConstraints(ca=True, path_length=None), True)
-    loopback = x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
-    server = certificate("127.0.0.1", server_key, loopback, False)
-    paths = directory / "server.crt", directory / "server.key", directory / "ca.crt"
-    paths[0].write_bytes(server.public_bytes(serialization.Encoding.PEM))
-    paths[1].write_bytes(
-        server_key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )  # fmt: skip
-    paths[1].chmod(0o600)
-    paths[2].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    return paths
-
-
 def test_the_buffer_talks_tls_when_configured(tmp_path):
     """Debian's redis-server (installed by deploy/system-packages.sh) has TLS built in."""
     binary = shutil.which("redis-server")
     assert binary, "deploy/system-packages.sh installs redis-server"
-    certificate, key, authority = _certificates(tmp_path)
+    files = make_certificates(tmp_path / "tls", ["127.0.0.1"], days=1)
+    certificate, key, authority = files.certificate, files.key, files.ca
     server = RedisServer(tmp_path / "redis", binary=Path(binary), tls=(certificate, key, authority))
     server.start()
     try:

@@ -72,7 +72,7 @@ def test_slow_then_burst_then_quiet_shows_what_the_floor_costs(servers, tmp_path
         await redis.aclose()
         return out
 
-    asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
+    asyncio.run(create_topics(config.kafka, config.topic_partitions))
     harness.start_worker()
     harness.start_consumer()
     try:

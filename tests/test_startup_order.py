@@ -2,8 +2,9 @@
 
 The broker would create `<stream>.raw` with its default partition count (4 on tansu)
 the first time a producer asks for its metadata, and the worker would then refuse the
-topic. `splu produce` creates the stream's topics first, with the config's count (2
-here), so a worker started afterwards takes the records and publishes them.
+topic. `splu produce` creates the raw topic first, with the config's count (2 here), so a
+worker started afterwards takes the records and publishes them; it creates no other topic
+(a producer's principal may reach only `<stream>.raw`: `streams.kafka.topic_grants`).
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ def test_produce_before_the_worker_exists_and_the_stream_still_works(servers, tm
     )  # fmt: skip
     assert produced.returncode == 0, produced.stderr
     topics = list(config.topic_partitions)
-    counts = asyncio.run(partition_counts(config.kafka_bootstrap, topics))
-    assert counts == config.topic_partitions, counts
+    counts = asyncio.run(partition_counts(config.kafka.bootstrap, topics))
+    assert counts == {config.topics["raw"]: config.partitions}, counts
 
     async def settled() -> dict[str, int] | None:
         client = aioredis.from_url(config.redis_url)

@@ -192,22 +192,24 @@ def test_text_that_is_not_the_decoding_of_bytes_is_left_to_the_csv_module():
 def test_which_lines_arrow_splits(line, arrow):
     # Arrow happens to split most other lines as the csv module does, but only these
     # are certain to; the rest go to the csv module.
-    assert (table_module._PLAIN_LINE.fullmatch(line) is not None) == arrow
-    assert (table_module._PLAIN_BODY.fullmatch(b"a,b\n" + line + b"\r\n") is not None) == arrow
+    plain_line, plain_body = table_module._plain_patterns(",")
+    assert (plain_line.fullmatch(line) is not None) == arrow
+    assert (plain_body.fullmatch(b"a,b\n" + line + b"\r\n") is not None) == arrow
 
 
 def test_arrow_sees_only_lines_it_splits_as_the_csv_module_does(monkeypatch):
     seen = []
 
-    def checked(body: bytes, width: int):
+    def checked(body: bytes, width: int, delimiter: str):
         seen.extend(body.splitlines())
-        return _REAL_SPLIT(body, width)
+        return _REAL_SPLIT(body, width, delimiter)
 
     monkeypatch.setattr(table_module, "_split", checked)
     for data in CASES.values():
         with contextlib.suppress(SchemaError):
             read_columns(data.decode("utf-8", "surrogateescape"))
-    assert seen and all(table_module._PLAIN_LINE.fullmatch(line) for line in seen)
+    plain_line = table_module._plain_patterns(",")[0]
+    assert seen and all(plain_line.fullmatch(line) for line in seen)
     assert b'39,Male,"a,b"' in seen  # well quoted: Arrow's
 
 
@@ -228,6 +230,41 @@ def test_a_clean_file_is_read_by_arrow_alone(monkeypatch):
     table, rejections = read_table(io.StringIO(text), SCHEMA)
     assert len(table) == 2000 and not rejections
     assert table.lines.tolist() == list(range(2, 2002))
+
+
+@pytest.mark.parametrize("delimiter", [";", "\t", "|"])
+@pytest.mark.parametrize("case", CASES)
+def test_other_delimiters_read_the_same_both_ways(tmp_path, case, delimiter):
+    data = CASES[case].replace(b",", delimiter.encode())
+    for arguments in READS.values():
+        fast, exact = both(tmp_path, data, arguments)
+        assert fast == exact
+    if case not in LEFT_TO_CSV | {"duplicate header", "one column", "one column, quoted blank"}:
+        # Sniffed from the header, and split by Arrow as a comma file is.
+        assert read_columns(data.decode("utf-8", "surrogateescape")) is not None
+
+
+@pytest.mark.parametrize("case", ["plain", "CRLF", "BOM", "bad values", "wrong widths"])
+def test_a_semicolon_export_reads_as_its_comma_original(tmp_path, case):
+    for arguments in READS.values():
+        original = both(tmp_path, CASES[case], arguments)[0]
+        semicolons = CASES[case].replace(b",", b";")
+        assert both(tmp_path, semicolons, arguments) == (original, original)
+        # Told the wrong delimiter, the header is one column and names none of them.
+        comma = {**arguments, "delimiter": ","}
+        told = outcome(read_table, io.StringIO(semicolons.decode()), comma)
+        assert told[0] == "SchemaError"
+
+
+@pytest.mark.parametrize(
+    ("header", "delimiter"),
+    [
+        ("rid;age;sex", ";"), ("rid,age,sex", ","), ("rid\tage", "\t"), ("rid|age", "|"),
+        ("\ufeffrid;age\r\n1;2", ";"), ('"a;b",c', ","), ("respondent", ","), ("", ","),
+    ],
+)  # fmt: skip
+def test_the_delimiter_is_sniffed_from_the_header_line(header, delimiter):
+    assert table_module.sniff_delimiter(header) == delimiter
 
 
 def test_gzip_and_unseekable_streams(tmp_path):
@@ -313,15 +350,15 @@ class _ReplacingLines(table_module._Lines):
         return line.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
-def _split_stripped(body: bytes, width: int):
-    parsed = _REAL_SPLIT(body, width)
+def _split_stripped(body: bytes, width: int, delimiter: str):
+    parsed = _REAL_SPLIT(body, width, delimiter)
     if parsed is not None:
         parsed[0][:] = [[v.strip() for v in column] for column in parsed[0]]
     return parsed
 
 
-def _by_line_without_blank_lines(data, header, first):
-    parsed = _REAL_BY_LINE(data, header, first)
+def _by_line_without_blank_lines(data, header, first, delimiter):
+    parsed = _REAL_BY_LINE(data, header, first, delimiter)
     if parsed is not None:
         parsed.lines = np.arange(first + 1, first + 1 + len(parsed.lines), dtype=np.int64)
     return parsed

@@ -187,7 +187,7 @@ def assert_the_boundary_holds(observed: Observed, config) -> None:  # type: igno
 async def read_reports(config) -> list[dict]:  # type: ignore[no-untyped-def]
     """Every message of the stream's report topic."""
     consumer = AIOKafkaConsumer(
-        config.topics["reports"], bootstrap_servers=config.kafka_bootstrap,
+        config.topics["reports"], bootstrap_servers=config.kafka.bootstrap,
         auto_offset_reset="earliest", enable_auto_commit=False,
     )  # fmt: skip
     await consumer.start()
@@ -240,7 +240,7 @@ def test_a_personal_streams_consumer_reads_no_true_value_and_lists_no_key(server
             row_column=False, reports={"fail_closed": []},
         )  # fmt: skip
         config = harness.config
-        asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
+        asyncio.run(create_topics(config.kafka, config.topic_partitions))
         base = {k: v for k, v in harness.env.items() if k not in ("REDIS_URL", "KAFKA_BOOTSTRAP")}
         envs = service_user_envs(config, base)
         port = free_port()

@@ -373,7 +373,7 @@ def test_windowed_stream_publishes_each_record_once_through_a_kill(servers, tmp_
     config = harness.config
     assert config.windowed is not None
     key = config.service_key()
-    asyncio.run(create_topics(config.kafka_bootstrap, dict.fromkeys(config.topics.values(), 2)))
+    asyncio.run(create_topics(config.kafka, dict.fromkeys(config.topics.values(), 2)))
     rows = rows_of(config)[:STREAMED]
     harness.start_worker()
     seen = Observed()
@@ -402,7 +402,7 @@ def test_windowed_stream_publishes_each_record_once_through_a_kill(servers, tmp_
         )
         staged = await buffer.stage(partition, number, encode_staged(output))
         assert staged is not None
-        producer = AIOKafkaProducer(bootstrap_servers=config.kafka_bootstrap)
+        producer = AIOKafkaProducer(bootstrap_servers=config.kafka.bootstrap)
         await producer.start()
         try:
             for token, message in staged.messages[: len(staged.messages) // 2]:

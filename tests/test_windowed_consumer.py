@@ -119,7 +119,7 @@ def run_stream(servers, directory: Path, mechanism: str) -> Run:
     harness = windowed_harness(servers, directory, mechanism)
     config = harness.config
     records = STREAMED[mechanism]
-    asyncio.run(create_topics(config.kafka_bootstrap, config.topic_partitions))
+    asyncio.run(create_topics(config.kafka, config.topic_partitions))
     try:
         harness.start_worker()
         # The first consumer ends after handling its second fetch, before committing it:
@@ -248,7 +248,7 @@ def test_the_downstream_reader_answers_as_the_consumer(runs, mechanism):
     published topic alone, side messages included, and gives the consumer's numbers."""
     run = runs[mechanism]
     config = run.harness.config
-    publication = read_publication(config.name, config.kafka_bootstrap)
+    publication = read_publication(config.name, config.kafka.bootstrap)
     assert publication.manifest.parameters["mechanism"] == mechanism
     assert (publication.records, publication.held) == (run.totals["published"], 0)
     read = publication.answer(run.queries)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 
 from service.buffer import FINAL_POOL, StreamBuffer
-from service.config import StreamConfig
+from service.config import KafkaSettings, StreamConfig
 from service.ingest import Preparer, RawMessage
 from service.lifecycle import Lifecycle
 from service.prf import ServiceKey
@@ -36,11 +36,11 @@ class VirtualWorker:
         key: ServiceKey,
         entropy: Callable[[int], str] = secrets.token_hex,
     ) -> None:
-        self.bootstrap, self.config = bootstrap, config
+        self.kafka, self.config = KafkaSettings(bootstrap), config
         self.buffer = StreamBuffer(client, config, key, entropy=entropy)
         self.lifecycle = Lifecycle(client, config)
         self.preparer = Preparer(config, key)
-        self.publisher = Publisher(bootstrap)
+        self.publisher = Publisher(self.kafka)
         forward = self._forward if config.personal is not None else None
         self.intake = Intake(
             config, self.preparer, self.buffer, self.lifecycle, self.publisher, forward
@@ -54,7 +54,7 @@ class VirtualWorker:
         self._grouped: dict[int, list[tuple[int, bytes]]] = defaultdict(list)
 
     async def __aenter__(self) -> VirtualWorker:
-        await create_topics(self.bootstrap, self.config.topic_partitions)
+        await create_topics(self.kafka, self.config.topic_partitions)
         await self.publisher.on_start()
         return self
 

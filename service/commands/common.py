@@ -73,6 +73,23 @@ RHO_HELP = (
 )
 
 
+def delimiter_argument(text: str) -> str:
+    """--delimiter as given: one ASCII character other than a quote or a line break, or
+    the word tab."""
+    chosen = "\t" if text in ("tab", "\\t") else text
+    if len(chosen) != 1 or not chosen.isascii() or chosen in '"\r\n':
+        raise argparse.ArgumentTypeError(f"give one character, or tab; got {text!r}")
+    return chosen
+
+
+def add_delimiter_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--delimiter", type=delimiter_argument, metavar="CHAR",
+        help="the CSV's field delimiter, e.g. ';' or tab (default: the one of , ; tab | "
+        "found in its header line)",
+    )  # fmt: skip
+
+
 class CommandError(Exception):
     """A mistake in a command's arguments, reported as one clear line like a
     `PublicationError`, with nothing half-written."""
@@ -144,7 +161,9 @@ def read_input_table(args: argparse.Namespace) -> tuple[Table, list[Rejection]]:
         raise CommandError("name the sensitive column(s) with --sensitive (or give --schema)")
     schema = Schema.load(args.schema) if getattr(args, "schema", None) else None
     with open_input(args.input) as stream:
-        return read_table(stream, schema, quasi, sensitive, parse_bins(args.bin))
+        return read_table(
+            stream, schema, quasi, sensitive, parse_bins(args.bin), delimiter=args.delimiter
+        )
 
 
 def report_rejections(rejections: Sequence[Rejection]) -> None:
@@ -168,6 +187,7 @@ def key_and_ids(seed: int | None, n: int) -> tuple[ServiceKey, np.ndarray]:
 
 def add_table_options(parser: argparse.ArgumentParser, schema: bool = True) -> None:
     parser.add_argument("--input", required=True, help="CSV with a header line (.gz or - ok)")
+    add_delimiter_option(parser)
     parser.add_argument(
         "--sensitive",
         action="append",
@@ -287,6 +307,14 @@ def add_mechanism_options(parser: argparse.ArgumentParser, reconstruction: bool)
         "of distinct values",
     )
     if reconstruction:
+        personal.add_argument(
+            "--stream",
+            action="store_true",
+            default=None,
+            help="personal: the file is a stream's publication (`splu run --published-out`), "
+            "whose groups spent their trials in arrival order: the interval models that "
+            "(implied by --budget bounded and by --config; the estimate is the same)",
+        )
         decoy.add_argument(
             "--grouping",
             choices=GROUPINGS,

@@ -7,6 +7,7 @@ import argparse
 from service.commands.common import (
     FORMATTER,
     Commands,
+    add_delimiter_option,
     column_names,
     parse_bins,
     write_atomically,
@@ -18,7 +19,7 @@ from service.table import open_sample, read_rows
 
 def command_schema(args: argparse.Namespace) -> int:
     with open_input(args.input) as stream:
-        raw = read_rows(stream)
+        raw = read_rows(stream, args.delimiter)
     schema = Schema.scan(
         raw.header,
         raw.rows,
@@ -50,6 +51,7 @@ def register(commands: Commands) -> None:
         "the input as the domain. Edit it, then pass it to --schema.",
     )
     schema.add_argument("--input", required=True, help="CSV with a header line")
+    add_delimiter_option(schema)
     schema.add_argument("--sensitive", action="append", metavar="COL", required=True)
     schema.add_argument("--quasi", action="append", metavar="COL,COL")
     schema.add_argument(

@@ -4,15 +4,18 @@ sample of the user's own data, and the stream-config block of the recommended se
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
 import textwrap
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from service import planning
+from service import drafting, planning
 from service.commands.common import (
     FORMATTER,
     LAMBDA_HELP,
@@ -20,17 +23,21 @@ from service.commands.common import (
     Commands,
     add_table_options,
     add_threshold_options,
+    column_names,
     key_and_ids,
+    parse_bins,
     read_input_table,
     report_rejections,
+    write_atomically,
     write_json,
 )
 from service.config import DEFAULT_MIXING_POOL, DEFAULT_PARTITIONS, MIN_MIXING_GROUPS
 from service.mechanisms.personal import BUDGETS
 from service.merge import ValueMap
 from service.progress import progress_bar
-from service.publication import SHOWN, log, only_sensitive
-from service.table import Table
+from service.publication import SHOWN, log, only_sensitive, open_input
+from service.schema import Rejection
+from service.table import Table, csv_reader
 
 # The stream's mechanisms, which the plan recommends a setting of; `all` adds the batch ones.
 MECHANISMS = ("decoy", "personal")
@@ -65,13 +72,23 @@ groups guarantees and how accurate its counts are, and recommend one:
 
 The recommendation is the largest γ whose large-count mean error is at most
 --max-error, and the p with the lowest such error among settings SPS keeps private,
-printed as the block to paste into the stream config (`splu run --config`). --plot draws
-the privacy/utility curve: small-count error (higher: more private) and T_P against
-large-count error (lower: more useful).
+printed as the block to paste into the stream config (`splu run --config`); where none
+is, what would help (more rows, fewer or coarser public columns, a looser bound).
+--plot draws the privacy/utility curve: small-count error (higher: more private) and
+T_P against large-count error (lower: more useful).
+
+--config-out FILE writes a whole stream config that `splu run` accepts as it is: the
+schema from the data, each numeric public column of more than 10 values cut into a few
+bins of about equal size (planned so, too); the recommended setting (decoy first), or
+the most private one planned, marked as such, when none meets --max-error; partitions,
+mixing floor and max_wait sized to the rows and to --expected-rate; standing queries on
+your own columns. It prints the commands that run it and query what it published.
 
 {textwrap.fill(TRUSTED_SIDE, 86)}
 
 example:
+  splu plan --input answers.csv --sensitive condition --quasi age,sex,region,education \\
+      --id-column respondent --config-out my-stream.toml
   splu sample --output adult.csv
   splu plan --input adult.csv --sensitive occupation \\
       --quasi age,sex,race,marital_status,education --max-error 0.2 --json plan.json
@@ -108,6 +125,13 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise CommandError(f"--max-error must be positive, got {args.max_error}")
     if not args.max_amplification > 0:
         raise CommandError(f"--max-amplification must be positive, got {args.max_amplification}")
+    if args.config_out is None:
+        given = [f for f, v in (("--expected-rate", args.expected_rate),
+                                ("--id-column", args.id_column)) if v is not None]  # fmt: skip
+        if given:
+            raise CommandError(f"{given[0]} applies to --config-out")
+    elif args.input == "-":
+        raise CommandError("--config-out needs --input FILE: `splu run` reads the file again")
 
 
 def random_stream(seed: int | None, stream: int) -> np.random.Generator:
@@ -421,12 +445,18 @@ def command_plan(args: argparse.Namespace) -> int:
     baselines = planning.BASELINES if EVERY in chosen else ()
     retentions = parse_retentions(args.retention)
     started = time.perf_counter()
+    rate = drafting.parse_rate(args.expected_rate) if args.expected_rate else None
     table, rejections = read_input_table(args)
+    binned: list[drafting.Binning] = []
+    if args.config_out is not None:
+        check_id_column(args)
+        table, rejections, binned = bin_for_stream(table, rejections, args)
     report_rejections(rejections)
     sensitive = only_sensitive(table, "splu plan")
     public = [a.name for a in table.schema.public]
     if not public:
         raise CommandError("name the public columns with --quasi: the queries condition on them")
+    whole = table
     table = sample_of(table, args.records, args.seed)
     n = len(table)
     log(f"  planning on {n:,} rows. {TRUSTED_SIDE}")
@@ -443,7 +473,8 @@ def command_plan(args: argparse.Namespace) -> int:
     gammas = planning.feasible_gammas(table, sensitive)
     if ("decoy" in mechanisms or baselines) and not gammas:
         raise CommandError(
-            f"no γ ≥ 2 is feasible: {sensitive!r} needs two values, none above half the rows"
+            f"no γ ≥ 2 is feasible: {sensitive!r} needs two values, none above half the rows "
+            "(--mechanism personal plans personal groups alone)"
         )
     settings = run_plan(
         table, sensitive, mechanisms, baselines, gammas, retentions, pool, releases, merge_map,
@@ -472,21 +503,32 @@ def command_plan(args: argparse.Namespace) -> int:
         print_personal(personal, args.merge_map)
     if batch:
         print_baselines(batch)
+    for binning in binned:
+        print(
+            f"{binning.column}: {binning.values} numeric values, planned and written cut into "
+            f"{len(binning.edges) - 1} bins of about equal size "
+            f"({', '.join(whole.schema[binning.column].domain)})"
+        )
     print(f"\nRecommendation (--max-error {args.max_error:.1%} on large counts):")
     for r in recommendations:
         if r["toml"] is None:
-            print(f"  {r['mechanism']}: none; {r['reason']}")
+            print(f"  {r['mechanism']}: none; {r['reason']}. What would help:")
+            for line in drafting.advice(settings, r["mechanism"], args.max_error, table, binned):
+                print(f"    - {line}")
             continue
         print(f"  {r['mechanism']}: {r['reason']}. Paste into the stream config:\n")
         print("".join(f"    {line}\n" for line in r["toml"].splitlines()))
-    if any(r["toml"] for r in recommendations):
-        print("  then: splu run --config my-stream.toml --input answers.csv")
-    # The floor a stream gets by default, and the least it may hold (10 groups).
-    decoy_setting = next((r["setting"] for r in recommendations if r["mechanism"] == "decoy"), None)
-    groups = MIN_MIXING_GROUPS * (decoy_setting["gamma"] if decoy_setting else 1)
-    note = planning.floor_note(n, DEFAULT_MIXING_POOL, DEFAULT_PARTITIONS, groups)
-    if note:
-        print(f"\n{note}")
+    if args.config_out is not None:
+        write_config(args, whole, settings, recommendations, binned, rate)
+    else:
+        if any(r["toml"] for r in recommendations):
+            print("  then: splu run --config my-stream.toml --input answers.csv")
+        # The floor a stream gets by default, and the least it may hold (10 groups).
+        decoy = next((r["setting"] for r in recommendations if r["mechanism"] == "decoy"), None)
+        groups = MIN_MIXING_GROUPS * (decoy["gamma"] if decoy else 1)
+        note = planning.floor_note(n, DEFAULT_MIXING_POOL, DEFAULT_PARTITIONS, groups)
+        if note:
+            print(f"\n{note}")
 
     if args.json:
         write_json(args.json, {
@@ -508,6 +550,95 @@ def command_plan(args: argparse.Namespace) -> int:
         log(f"  wrote {args.plot}")
     log(f"  planned {len(settings)} settings in {time.perf_counter() - started:.1f} s")
     return 0
+
+
+def check_id_column(args: argparse.Namespace) -> None:
+    """--id-column names a column of the input, which is never published."""
+    if args.id_column is None:
+        return
+    if args.id_column in column_names(args.quasi) + column_names(args.sensitive):
+        raise CommandError(
+            f"--id-column {args.id_column!r} is also named by --quasi or --sensitive: a "
+            "stream never publishes ids"
+        )
+    with open_input(args.input) as stream:
+        header = csv_reader(stream, args.delimiter)[0]
+    if args.id_column not in header:
+        raise CommandError(
+            f"--id-column {args.id_column!r} is not a column of {args.input} (its columns: "
+            f"{', '.join(header)})"
+        )
+
+
+def bin_for_stream(
+    table: Table, rejections: list[Rejection], args: argparse.Namespace
+) -> tuple[Table, list[Rejection], list[drafting.Binning]]:
+    """The table as the drafted stream will read it: numeric public columns of many values
+    binned, unless --schema or --bin says how (`drafting.bin_numeric_columns`)."""
+    if args.schema:
+        return table, rejections, []
+    given = parse_bins(args.bin)
+    columns = [c for c in column_names(args.quasi) if c not in given]
+    table, more, binned = drafting.bin_numeric_columns(table, columns)
+    return table, sorted([*rejections, *more], key=lambda r: r.record), binned
+
+
+def write_config(
+    args: argparse.Namespace,
+    table: Table,
+    settings: Sequence[planning.Setting],
+    recommendations: Sequence[dict[str, Any]],
+    binned: Sequence[drafting.Binning],
+    rate: float | None,
+) -> None:
+    """Draft the stream config (`service/drafting.py`), check that it loads, write it, and
+    print what it holds and the commands that run it."""
+    try:
+        setting, recommended = drafting.choose_setting(settings, recommendations)
+    except ValueError as err:
+        raise CommandError(f"--config-out: {err}") from None
+    sensitive = table.schema.sensitive[0].name
+    gamma = setting.parameters.get("gamma")
+    avoid = [] if gamma is None else [
+        v["value"] for v in setting.guarantees["values"]
+        if v["amplification"] is None or v["amplification"] > args.max_amplification
+    ]  # fmt: skip
+    path = Path(args.config_out)
+    run = ["splu", "run", "--config", args.config_out, "--input", args.input]
+    run += ["--id-column", args.id_column] if args.id_column else []
+    run += ["--delimiter", args.delimiter] if args.delimiter else []
+    draft = drafting.Draft(
+        path=path, input=args.input, rows=len(table), schema=table.schema, binned=binned,
+        setting=setting, recommended=recommended, max_error=args.max_error,
+        advice=drafting.advice(settings, setting.mechanism, args.max_error, table, binned),
+        sizing=drafting.size_stream(len(table), rate, MIN_MIXING_GROUPS * (gamma or 1)),
+        queries=drafting.standing_queries(table, sensitive, avoid),
+        run_command=shlex.join([*run, "--published-out", "published.csv"]),
+    )  # fmt: skip
+    text = drafting.render(draft)
+    drafting.checked(text, path)
+    write_atomically(args.config_out, lambda stream: stream.write(text))
+    s = draft.sizing
+    chosen = drafting.planning_label(setting)
+    if not recommended:
+        chosen += (
+            f", the SAFEST SETTING, NOT A RECOMMENDATION (none met --max-error "
+            f"{args.max_error:g}; what would help is above and in the file)"
+        )
+    print(
+        f"\nWrote {args.config_out}: {chosen}; {s.partitions} partition(s), mixing floor "
+        f"{s.mixing_pool}, max_wait {drafting.duration_text(s.max_wait)}, "
+        f"{len(draft.queries)} standing queries. "
+        "Next:"
+    )
+    example = shlex.quote(json.dumps(draft.queries[0])) if draft.queries else "'{...}'"
+    print(f"  {draft.run_command}")
+    print(f"  echo {example} > queries.jsonl")
+    print(
+        "  "
+        + shlex.join(["splu", "query", "--published", "published.csv", "--config",
+                      args.config_out, "--queries", "queries.jsonl", "--output", "-"])
+    )  # fmt: skip
 
 
 def register(commands: Commands) -> None:
@@ -566,6 +697,23 @@ def register(commands: Commands) -> None:
     )
     plan.add_argument("--plot", metavar="OUT.png", help="draw the privacy/utility curve of "
                       "every setting (needs matplotlib)")  # fmt: skip
+    stream = plan.add_argument_group("the stream config (--config-out)")
+    stream.add_argument(
+        "--config-out", metavar="FILE.toml",
+        help="write a complete, commented stream config for `splu run --config`: schema "
+        "(numeric public columns of many values binned), the recommended setting (or the "
+        "safest, marked), floor and partitions sized to the rows and --expected-rate",
+    )  # fmt: skip
+    stream.add_argument(
+        "--expected-rate", metavar="R",
+        help="responses expected per second, or per min, h or day (500/day): sizes "
+        "partitions and max_wait (default: a survey of the input's size, no rate)",
+    )  # fmt: skip
+    stream.add_argument(
+        "--id-column", metavar="COL",
+        help="the column holding each response's id, for the `splu run` command printed "
+        "(never published)",
+    )  # fmt: skip
     decoy = plan.add_argument_group("decoy groups (the thresholds of `splu guarantees`)")
     add_threshold_options(decoy)
     decoy.add_argument(

@@ -4,10 +4,10 @@ Laplace noise, the raw data."""
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 from collections.abc import Collection, Iterator, Mapping
+from dataclasses import replace
 from typing import Any
 
 from service.client import ConsumerError, ask
@@ -15,6 +15,7 @@ from service.commands.common import (
     FORMATTER,
     CommandError,
     Commands,
+    add_delimiter_option,
     add_mechanism_options,
     column_names,
     mechanism_settings,
@@ -22,7 +23,7 @@ from service.commands.common import (
     report_rejections,
     write_atomically,
 )
-from service.config import load_config
+from service.config import KAFKA_ENV, kafka_from_env, load_config
 from service.mechanisms.laplace import LaplaceCounts
 from service.mechanisms.laplace import _canonical as laplace_query_key
 from service.prf import ServiceKey
@@ -39,11 +40,13 @@ from service.publication import (
     personal_merge_map,
     published_cells,
     reconstruction_of,
+    stream_reconstruction,
 )
 from service.reconstruct import PublishedCells, Query, QueryError, Reconstruction
+from service.table import csv_reader
 
 # Where `splu query --topic` finds Kafka without --bootstrap, as every stream command does.
-BOOTSTRAP_ENV = "KAFKA_BOOTSTRAP"
+BOOTSTRAP_ENV = KAFKA_ENV["bootstrap"]
 
 
 def _read_queries(
@@ -132,22 +135,25 @@ def _query_topic(args: argparse.Namespace) -> int:
     _refuse_options(args, "--topic: the stream's manifest decides")
     if args.read_topic is None:
         raise CommandError("--topic reads Kafka: run it as `splu query`")
-    bootstrap = args.bootstrap or os.environ.get(BOOTSTRAP_ENV)
-    if not bootstrap and args.config is not None:
-        bootstrap = load_config(args.config).kafka_bootstrap
-    if not bootstrap:
+    if args.config is not None:
+        kafka = load_config(args.config).kafka
+    elif args.bootstrap or os.environ.get(BOOTSTRAP_ENV):
+        kafka = kafka_from_env()
+    else:
         raise CommandError(
             f"--topic: give --bootstrap HOST:PORT, set {BOOTSTRAP_ENV} or name the stream's "
             "--config"
         )
+    if args.bootstrap:
+        kafka = replace(kafka, bootstrap=args.bootstrap)
     # The stream's name, also when given as its published topic.
     stream = args.topic.removesuffix(".published")
     lines = _query_lines(args.queries)
-    publication = args.read_topic(stream, bootstrap, args.confidence)
+    publication = args.read_topic(stream, kafka, args.confidence)
     answers = iter(publication.answer([obj for obj in lines if not isinstance(obj, _BadLine)]))
     held = f", {publication.held:,} more held until their unit is whole" if publication.held else ""
     source = (
-        f"from {stream} at {bootstrap} ({publication.records:,} published records{held}, "
+        f"from {stream} at {kafka.bootstrap} ({publication.records:,} published records{held}, "
         f"{publication.manifest.mechanism})"
     )
     return _write_answers(args, _merged(lines, answers), source)
@@ -202,11 +208,11 @@ def _query_laplace(args: argparse.Namespace, settings: dict[str, Any]) -> int:
     return _write_answers(args, results, f"from {len(table):,} raw rows (laplace)")
 
 
-def _check_published_columns(published: str, quasi: list[str]) -> None:
+def _check_published_columns(published: str, quasi: list[str], delimiter: str | None) -> None:
     if not quasi:
         return
     with open_input(published) as stream:
-        header = next(csv.reader(stream), [])
+        header = csv_reader(stream, delimiter)[0]
     missing = [c for c in quasi if c not in header]
     if missing:
         raise CommandError(
@@ -223,9 +229,12 @@ def command_query(args: argparse.Namespace) -> int:
         )
     if args.topic is not None:
         return _query_topic(args)
-    given = [f for f, v in (("--bootstrap", args.bootstrap), ("--config", args.config)) if v]
-    if given:
-        raise CommandError(f"{given[0]} applies to --topic only")
+    if args.bootstrap:
+        raise CommandError("--bootstrap applies to --topic only")
+    if args.config is not None:
+        if args.published is None:
+            raise CommandError("--config applies to --topic and --published only")
+        return _query_stream_file(args)
     if args.url is not None:
         return _query_service(args)
     chosen = args.mechanism
@@ -240,7 +249,7 @@ def command_query(args: argparse.Namespace) -> int:
         # The rest of `splu publish`'s options are welcome (SPEC §5: the same options):
         # --quasi must name columns the publication has; --bin, --schema and --seed shaped
         # the raw table before publication and change nothing in what is read here.
-        _check_published_columns(args.published, column_names(args.quasi))
+        _check_published_columns(args.published, column_names(args.quasi), args.delimiter)
     settings = mechanism_settings(args)
     if chosen == "laplace":
         return _query_laplace(args, settings)
@@ -260,13 +269,22 @@ def command_query(args: argparse.Namespace) -> int:
                 "name the sensitive column(s) of the published file with --sensitive"
             )
         with open_input(args.published) as stream:
-            cells = published_cells(stream.read(), args.published)
+            cells = published_cells(stream.read(), args.published, args.delimiter)
         if chosen == "personal":
             personal_merge_map(settings, args.published)
         answerer = reconstruction_of(
             chosen, settings, cells, column_names(args.sensitive), args.confidence, args.clip
         )
         rows, domains = cells.total, None
+    return _answer_queries(args, answerer, domains, f"over {rows:,} published rows ({chosen})")
+
+
+def _answer_queries(
+    args: argparse.Namespace,
+    answerer: Answers,
+    domains: Mapping[str, Collection[str]] | None,
+    source: str,
+) -> int:
     objects, parsed = _read_queries(args.queries, answerer, domains)
     valid = [q for q in parsed if q is not None]
     answers = iter(answerer.estimate_many(valid))
@@ -274,8 +292,24 @@ def command_query(args: argparse.Namespace) -> int:
         obj if q is None else {**obj, **next(answers).answer()}
         for obj, q in zip(objects, parsed, strict=True)
     ]
-    source = f"over {rows:,} published rows ({chosen})"
     return _write_answers(args, results, source)
+
+
+def _query_stream_file(args: argparse.Namespace) -> int:
+    """A stream's published records written as CSV (`splu run --published-out`), answered
+    as its consumer answers them: its config decides the mechanism and its options."""
+    _refuse_options(args, "--config: the stream's config decides")
+    config = load_config(args.config)
+    if config.mechanism == "windowed":
+        raise CommandError(
+            f"{args.config} is a windowed stream: its answers need its side messages too, "
+            f"query its topics with --topic {config.name}"
+        )
+    with open_input(args.published) as stream:
+        cells = published_cells(stream.read(), args.published, args.delimiter)
+    answerer = stream_reconstruction(config, cells, args.confidence)
+    source = f"over {cells.total:,} published rows of stream {config.name!r} ({config.mechanism})"
+    return _answer_queries(args, answerer, None, source)
 
 
 def register(commands: Commands) -> None:
@@ -294,6 +328,8 @@ def register(commands: Commands) -> None:
             "       '\"value\": {\"occupation\": \"Sales\"}}' > q.jsonl\n"
             "  splu query --published published.csv --mechanism decoy --gamma 5 \\\n"
             "      --sensitive occupation --queries q.jsonl --output answers.jsonl\n"
+            "  splu query --published published.csv --config my-stream.toml \\\n"
+            "      --queries q.jsonl --output -        # from `splu run --published-out`\n"
             "  splu query --url http://127.0.0.1:6066 --queries q.jsonl --output -\n"
             "  splu query --topic adult --bootstrap kafka:9092 --queries q.jsonl --output -\n"
             "  splu query --published sdr.csv --mechanism sdr --queries q.jsonl --output a.jsonl\n"
@@ -343,8 +379,14 @@ def register(commands: Commands) -> None:
         help=f"--topic: the Kafka bootstrap (default: {BOOTSTRAP_ENV}, else --config's)",
     )  # fmt: skip
     query.add_argument(
-        "--config", metavar="FILE", help="--topic: take the bootstrap from this stream config"
-    )
+        "--config", metavar="FILE",
+        help="--published: the stream config the CSV was published with (`splu run "
+        "--published-out`), which decides mechanism and options; --topic: take the Kafka "
+        "settings from its [kafka] (default: the KAFKA_* variables: KAFKA_BOOTSTRAP, "
+        "KAFKA_SECURITY_PROTOCOL, KAFKA_CA_FILE, KAFKA_SASL_MECHANISM, KAFKA_USERNAME, "
+        "KAFKA_PASSWORD...)",
+    )  # fmt: skip
+    add_delimiter_option(query)
     query.add_argument("--queries", required=True, help="JSONL file of queries (- for stdin)")
     query.add_argument("--output", required=True, help="JSONL answers (- for stdout)")
     add_mechanism_options(query, reconstruction=True)
@@ -385,6 +427,6 @@ def register(commands: Commands) -> None:
         help="laplace: derive the noise from this seed (experiments only: anyone with the "
         "seed can remove it; default: a fresh random key); otherwise accepted and unused",
     )
-    # `read_topic(stream, bootstrap, confidence)` -> `service.manifest.Publication`: Kafka
+    # `read_topic(stream, kafka, confidence)` -> `service.manifest.Publication`: Kafka
     # lives above this layer, so the `splu` entry point supplies it (`streams/cli.py`).
     query.set_defaults(run=command_query, read_topic=None)

@@ -3,9 +3,22 @@
 -- group's budget here is its whole budget. One atomic step per batch:
 -- store new records idempotently in their group's buffer, release a group when its
 -- buffer reaches the release size or its oldest record waited max_wait, and publish
--- each released record either as a trial (its own perturbed value, while the group's
--- trial budget lasts) or as a copy of an earlier trial of the same original value
--- (streaming scaling). Copies add rows, not trials.
+-- each released record either as a trial (its own perturbed value) or as a copy of an
+-- earlier trial of the same original value (streaming scaling). Copies add rows, not
+-- trials.
+--
+-- Reserve trials: with L the group's trial limit now and U = m - (values with a trial
+-- in the group), a record is a trial if trials < L - U, or if its value has no trial yet
+-- and trials < L; otherwise it copies a trial of its own value. U trials stay reserved
+-- for the values not seen yet, so while L >= m every value a group ever holds gets a
+-- trial, every row's source holds the row's own value, and the estimate is unbiased in
+-- any arrival order; trials never exceed L, so the (lambda, delta) test is unchanged.
+-- Only a record whose value has no trial when none may be spent (L < m, a bounded limit
+-- that fell, a frozen group) still copies another value's trial: a borrowed copy,
+-- counted per group in :gstat ("<group>|borrowed") for the budget test, which reports
+-- how many groups borrow. It is published rather than dropped: a missing row would show
+-- in the group's public count that this record's value had no trial there, while a
+-- borrowed row says nothing of its record's value.
 --
 -- KEYS[1]  the partition's key prefix, "splu:{<stream>:<partition>}".
 -- ARGV     now_ms, max_wait_ms, release_size, budget (bounded, adaptive, conservative or
@@ -26,14 +39,15 @@
 --
 -- Keys: :seen and :off (ingest.lua); :rec id -> msgpack {arrival, public, group, value,
 -- perturbed}; :gq group -> arrival of its oldest buffered record; :g:<group>:buf
--- buffered ids; :g:<group>:s copy counters (cc:<v>), borrows and the bounded budget's
--- state (epoch, bound, frozen); :g:<group>:tr:<v> perturbed values of the trials of
--- original value v; :g:<group>:tv values with trials; :gstat "<group>|total",
--- "<group>|trials", "<group>|c:<v>" (true counts) and "<group>|frozen" (1 once its bound
--- failed): the aggregates the budget test reads (service/auditor.py, in the worker); :pool
--- entry -> time, an entry being "public|published|t, c or b (trial, copy, borrowed
--- copy)|true value|arrival|id", of which the emitter publishes the first two fields;
--- :stats counters and gauges.
+-- buffered ids; :g:<group>:s copy counters (cc:<v>) and the bounded budget's state
+-- (epoch, bound, frozen); :g:<group>:tr:<v> perturbed values of the trials of original
+-- value v; :g:<group>:tv values with trials; :gstat "<group>|total", "<group>|trials",
+-- "<group>|c:<v>" (true counts), "<group>|borrowed" (borrowed copies) and
+-- "<group>|frozen" (1 once its bound failed): the aggregates the budget test reads
+-- (service/auditor.py, in the worker); :pool entry -> time, an entry being
+-- "public|published|t, c or b (trial, copy, borrowed copy)|true value|arrival|id", of
+-- which the emitter publishes the first two fields; :stats counters and gauges, none of
+-- them counting trials or copies: whether a record is a trial depends on its value.
 
 local base = KEYS[1]
 local now, max_wait, release_size = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -119,30 +133,39 @@ local function budget(group, trials)
   return math.floor(trial_limit(bound))
 end
 
-local released, pooled, trials_used, copies, borrowed = 0, 0, 0, 0, 0
+local released, pooled = 0, 0
 local function release(group)
   local g = base .. ':g:' .. group
   local ids = redis.call('LRANGE', g .. ':buf', 0, -1)
   redis.call('DEL', g .. ':buf')
   redis.call('ZREM', k_queue, group)
-  local trials = tonumber(redis.call('HGET', k_gstat, group .. '|trials') or '0')
+  local stat = redis.call('HMGET', k_gstat, group .. '|trials', group .. '|borrowed')
+  local trials, borrowed = tonumber(stat[1] or '0'), tonumber(stat[2] or '0')
   local limit = budget(group, trials)
+  local unseen = m - redis.call('SCARD', g .. ':tv')
+  -- The values with trials in turn, for borrowed copies: read when first needed.
+  local lenders = nil
+  local borrowed_before = borrowed
   for _, id in ipairs(ids) do
     local record = cmsgpack.unpack(redis.call('HGET', k_rec, id))
     local value, out, kind = record[4], record[5], 't'
-    if trials < limit then
+    local fresh = redis.call('LLEN', g .. ':tr:' .. value) == 0
+    if trials < limit - unseen or (fresh and trials < limit) then
       trials = trials + 1
-      trials_used = trials_used + 1
       redis.call('RPUSH', g .. ':tr:' .. value, out)
-      redis.call('SADD', g .. ':tv', value)
+      if fresh then
+        redis.call('SADD', g .. ':tv', value)
+        unseen = unseen - 1
+        lenders = nil
+      end
     else
       local source = value
-      if redis.call('LLEN', g .. ':tr:' .. source) == 0 then
-        -- No trial of this value yet and the budget is spent: copy another value's trial.
-        local with_trials = redis.call('SMEMBERS', g .. ':tv')
-        table.sort(with_trials, function(x, y) return tonumber(x) < tonumber(y) end)
-        local turn = redis.call('HINCRBY', g .. ':s', 'borrows', 1) - 1
-        source = with_trials[turn % #with_trials + 1]
+      if fresh then
+        if lenders == nil then
+          lenders = redis.call('SMEMBERS', g .. ':tv')
+          table.sort(lenders, function(x, y) return tonumber(x) < tonumber(y) end)
+        end
+        source = lenders[borrowed % #lenders + 1]
         borrowed = borrowed + 1
         kind = 'b'
       else
@@ -151,7 +174,6 @@ local function release(group)
       local list = g .. ':tr:' .. source
       local turn = redis.call('HINCRBY', g .. ':s', 'cc:' .. source, 1) - 1
       out = redis.call('LINDEX', list, turn % redis.call('LLEN', list))
-      copies = copies + 1
     end
     local entry = record[2] .. '|' .. out .. '|' .. kind .. '|' .. value .. '|' .. record[1]
       .. '|' .. id
@@ -160,6 +182,9 @@ local function release(group)
     pooled = pooled + 1
   end
   redis.call('HSET', k_gstat, group .. '|trials', trials)
+  if borrowed > borrowed_before then
+    redis.call('HSET', k_gstat, group .. '|borrowed', borrowed)
+  end
   released = released + 1
 end
 
@@ -197,7 +222,4 @@ expire_with_ttl(ttl, buffered)
 
 redis.call('HINCRBY', k_stats, 'releases', released)
 redis.call('HINCRBY', k_stats, 'pooled', pooled)
-redis.call('HINCRBY', k_stats, 'trials', trials_used)
-redis.call('HINCRBY', k_stats, 'copies', copies)
-redis.call('HINCRBY', k_stats, 'borrowed', borrowed)
 return reply(base, k_stats, added, redis.call('HLEN', k_rec), redis.call('ZCARD', k_pool), ttl)

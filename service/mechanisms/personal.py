@@ -29,6 +29,9 @@ perturbation of a large group gives away too many trials; SPS
   changes the public-value mix inside a merged group.) Only when n is smaller
   than the number of values in the group do some strata get no trial; their
   rows copy a sampled record of another value, and are counted as *borrowed*.
+  A stream, which meets its records one at a time, keeps the same promise with
+  reserve trials (`service/lua/personal.lua`, replayed by
+  `service.mechanisms.personal_stream`).
 
 Budgets: ``adaptive`` uses each group's true f (the thesis), ``conservative``
 uses f = 1 (the smallest limit, safe if f drifts), ``none`` is plain uniform
@@ -296,14 +299,7 @@ class PersonalGroups:
         )
         published_values = np.empty(len(order), dtype=table.codes[name].dtype)
         published_values[order] = perturbed[source]
-
-        publication_order = np.argsort(prf64(key, "publication order", ids))
-        codes = {**table.codes, name: published_values}
-        published = Table(
-            table.schema,
-            {k: v[publication_order] for k, v in codes.items()},
-            table.lines[publication_order],
-        )
+        published = publication(table, name, published_values, ids, key)
         sampled = np.zeros(len(order), dtype=bool)
         sampled[sampled_rows] = True
         audit = GroupAudit(labels, plain.sizes, plain.max_frequency, plain.limit, trials)
@@ -333,6 +329,16 @@ class PersonalGroups:
                 return sizes
             # Ends by n = 1 at the latest: s_g(f = 1) ≥ 1 was checked up front.
             n -= 1
+
+
+def publication(
+    table: Table, name: str, published: np.ndarray, ids: np.ndarray, key: ServiceKey
+) -> Table:
+    """`table` with column `name` replaced by its `published` values, the rows in keyed
+    order: nothing in the file's order follows the input's."""
+    order = np.argsort(prf64(key, "publication order", ids))
+    codes = {**table.codes, name: published}
+    return Table(table.schema, {k: v[order] for k, v in codes.items()}, table.lines[order])
 
 
 def _group_statistics(
