@@ -14,7 +14,7 @@ marital_status, education; sensitive: occupation; γ = 5):
   CSV of --rows records (read, scan the schema, encode, publish, write the
   published CSV; target ≤ 1.5 s).
 - one query: single ``DecoyReconstruction(...).estimate(query)`` calls (closed
-  form, corrected matrix) on --queries random conjunctive queries, 1–3 public
+  form, mixing matrix) on --queries random conjunctive queries, 1–3 public
   attributes with values from a random published record (so the predicate is
   non-empty) ∧ one occupation value, after one untimed warm-up call; median
   and p99 (targets ≤ 1 ms, ≤ 10 ms).
@@ -303,7 +303,7 @@ def main() -> None:
     )
     print(
         f"times are medians of {args.repeats} runs; query latency over {args.queries:,} "
-        "random conjunctive queries (closed form, corrected matrix)\n"
+        "random conjunctive queries (closed form, mixing matrix)\n"
     )
     print_table(
         ["metric", "measured", "target", "measured/target", "pass"],

@@ -232,7 +232,10 @@ class Manifest:
         sensitive = [entry["name"] for entry in self.document["schema"]["sensitive"]]
         parameters = self.parameters
         if self.mechanism == "decoy":
-            return DecoyReconstruction(cells, parameters["gamma"], sensitive, confidence=confidence)
+            return DecoyReconstruction(
+                cells, parameters["gamma"], sensitive, confidence=confidence,
+                grouping=parameters["grouping"],
+            )  # fmt: skip
         if self.mechanism == "personal":
             schema = self.schema()
             attribute = schema.sensitive[0]

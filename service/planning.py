@@ -44,6 +44,7 @@ from service.mechanisms.sdr import (
     privacy_for_amplification,
 )
 from service.merge import ValueMap
+from service.mixing import transition_model
 from service.prf import ServiceKey
 from service.publication import DEFAULTS, Answers
 from service.reconstruct import (
@@ -191,11 +192,17 @@ def feasible_gammas(table: Table, sensitive: str) -> range:
     return range(2, limit + 1)
 
 
-def amplification(share: float, gamma: int) -> float:
-    """How much a conjunctive count on a value of this share amplifies the noise: 1/(1/γ − t),
-    infinite at t = 1/γ (the count is then unidentifiable)."""
-    gap = 1.0 / gamma - share
-    return math.inf if gap <= 1e-12 else 1.0 / gap
+def amplifications(table: Table, sensitive: str, gamma: int) -> dict[str, float]:
+    """Per value present, how much conjunctive counts on it amplify the noise under the
+    estimator's m×m model of size-weighted cuts (`service.mixing`), at the sample's
+    counts; infinite where a value sits in every group (the count is unidentifiable)."""
+    counts = np.bincount(table.codes[sensitive], minlength=table.schema[sensitive].size)
+    model = transition_model(counts, gamma, GROUPING)
+    domain = table.schema[sensitive].domain
+    return {
+        domain[v]: float(factor)
+        for v, factor in zip(model.values, model.amplification(), strict=True)
+    }
 
 
 def plan_decoy(
@@ -222,10 +229,11 @@ def plan_decoy(
         suppressed.append(sum(sum(c.values()) for c in release.suppressed.values()))
         trimmed.append(len(release.trimmed_lines))
         cells = PublishedCells.from_table(release.published)
-        errors.add(DecoyReconstruction(cells, gamma, [sensitive]), pool)
+        errors.add(DecoyReconstruction(cells, gamma, [sensitive], grouping=GROUPING), pool)
     values, warnings = [], []
+    factors = amplifications(table, sensitive, gamma)
     for value, share in value_shares(table, sensitive):
-        factor = amplification(share, gamma)
+        factor = factors[value]
         values.append(
             {
                 "value": value,

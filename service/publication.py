@@ -55,6 +55,8 @@ from service.mechanisms.sdr import (
 from service.merge import ValueMap, fit_value_map
 from service.prf import ServiceKey
 from service.reconstruct import (
+    MATRICES,
+    METHODS,
     DecoyReconstruction,
     Estimate,
     PersonalReconstruction,
@@ -106,11 +108,12 @@ PERSONAL_DEFAULTS = {
     "budget": "adaptive",
     "stream": False,
 }
+# The estimator's own defaults, so `splu query` answers as `/estimate` and the reader do.
 DECOY_DEFAULTS = {
     "gamma": 5,
     "grouping": "size-weighted",
-    "method": "closed",
-    "matrix": "corrected",
+    "method": METHODS[0],
+    "matrix": MATRICES[0],
     "tolerance": 0.01,
     "max_iterations": 10_000,
 }
@@ -179,6 +182,11 @@ def checked_settings(chosen: str, settings: dict[str, Any]) -> dict[str, Any]:
     out = dict(settings)
     if "gamma" in out and out["gamma"] < 2:
         raise PublicationError(f"--gamma must be at least 2, got {out['gamma']}")
+    if out.get("method") == "iterative" and out.get("matrix") == "mixing":
+        raise PublicationError(
+            "--method iterative is the papers' method on their 2×2 model: give --matrix "
+            "corrected or --matrix paper with it"
+        )
     if chosen == "sdr":
         for option in ("rho1", "rho2"):
             out[option] = _fraction(out[option], flag_of(option))
@@ -664,7 +672,7 @@ def reconstruction_of(
             cells, settings["gamma"], sensitive, method=settings["method"],
             matrix=settings["matrix"], tolerance=settings["tolerance"],
             max_iterations=settings["max_iterations"], confidence=confidence,
-            clip=clip is not False,
+            clip=clip is not False, grouping=settings["grouping"],
         )  # fmt: skip
     if len(sensitive) != 1:
         raise PublicationError("--mechanism personal takes exactly one --sensitive column")
@@ -691,8 +699,9 @@ def stream_reconstruction(
     builds it and `splu query --config` answers from the stream's published records."""
     if config.decoy is not None:
         return DecoyReconstruction(
-            cells, config.decoy.gamma, config.sensitive, confidence=confidence
-        )
+            cells, config.decoy.gamma, config.sensitive, grouping=config.decoy.grouping,
+            confidence=confidence,
+        )  # fmt: skip
     settings = config.personal
     assert settings is not None
     return PersonalReconstruction(

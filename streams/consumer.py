@@ -201,10 +201,16 @@ class Consumer:
         if self.config.personal is not None:
             return "MLE of uniform perturbation (seed 004 Lemma 3), SPS design-effect interval"
         if not estimate.identifiable:
-            return "not identifiable (a value at N/γ): |P|·f/N with the interval [0, |P|]"
+            return (
+                "not identifiable (its interval would be wider than [0, |P|], or a value "
+                "sits in every group): |P|·f′/N with the interval [0, |P|]"
+            )
         if not query.where:
             return "published count (the MLE), exact binomial interval"
-        return "closed-form inversion of the decoy transition model (corrected matrix)"
+        return (
+            "inversion of the decoy groups' m×m transition model (size-weighted cuts, from "
+            "the published counts); delta-method interval"
+        )
 
     async def report(self) -> None:
         """One round of privacy tests and standing queries; published by the leading

@@ -21,6 +21,11 @@ BENCH = Path(__file__).parents[1] / "bench"
         ),
         ("decoy_accuracy.py", ["--queries", "20", "--publications", "1"], "[default]"),
         (
+            "calibration.py",
+            ["--rows", "45222", "--publications", "2", "--small", "5", "--jobs", "1"],
+            "personal stream",
+        ),
+        (
             "personal_accuracy.py",
             ["--queries", "20", "--publications", "1", "--rows", "5000", "--repeats", "1"],
             "SPS publish 5,000 rows",

@@ -7,6 +7,7 @@ import pytest
 from scipy import stats
 
 from service.mechanisms.decoy import DecoyGroups
+from service.mixing import transition_model
 from service.prf import ServiceKey, random_ids
 from service.reconstruct import (
     DecoyReconstruction,
@@ -38,9 +39,10 @@ def all_queries(table: Table) -> tuple[list[Query], np.ndarray]:
 
 @pytest.mark.parametrize("w", [1, 2, 3])
 def test_closed_form_solves_the_kronecker_model_exactly(w):
-    """x̂ equals the last state of the solution of Mᵀx = y inside the P block."""
+    """x̂ equals the last state of the solution of Mᵀx = y inside the P block (γ = 2
+    keeps the amplification low enough for an identifiable answer at w = 3)."""
     rng = np.random.default_rng(w)
-    gamma, n = 4, 10_000
+    gamma, n = 2, 10_000
     columns = ["p"] + [f"s{k}" for k in range(w)]
     domains = {"p": ["no", "yes"], **{f"s{k}": ["other", "hit"] for k in range(w)}}
     codes = [rng.integers(0, 2, n)] + [
@@ -48,7 +50,7 @@ def test_closed_form_solves_the_kronecker_model_exactly(w):
     ]
     cells = PublishedCells.from_codes(columns, domains, codes)
     query = Query({"p": ("yes",)}, {f"s{k}": "hit" for k in range(w)})
-    reconstruction = DecoyReconstruction(cells, gamma, columns[1:], clip=False)
+    reconstruction = DecoyReconstruction(cells, gamma, columns[1:], matrix="corrected", clip=False)
     estimate = reconstruction.estimate(query)
 
     y = reconstruction._states([query], columns[1:])[0]
@@ -63,14 +65,82 @@ def test_closed_form_solves_the_kronecker_model_exactly(w):
     assert estimate.published == int(y[-1])
 
 
+@pytest.mark.parametrize("w", [1, 2])
+def test_mixing_model_solves_its_kronecker_model_with_the_delta_method_variance(w):
+    """x̂ is the answer's component of (⊗M_k)^{-T} y_P, and its variance the delta method's,
+    here from a numerical gradient of that estimator in every published count, inside
+    and outside P (M_k moves with both)."""
+    rng = np.random.default_rng(w)
+    gamma, n, m = 3, 30_000, 6
+    shares = np.array([0.25, 0.2, 0.2, 0.15, 0.1, 0.1])
+    columns = ["p"] + [f"s{k}" for k in range(w)]
+    domains = {"p": ["no", "yes"], **{f"s{k}": [f"v{i}" for i in range(m)] for k in range(w)}}
+    true = [rng.choice(m, n, p=shares) for _ in range(w)]
+    public = (rng.random(n) < 0.3 + 0.05 * true[0]).astype(int)
+    # Published values drawn from the model itself: every x̂ state is then positive.
+    sensitive = []
+    for values in true:
+        model = transition_model(np.bincount(values, minlength=m), gamma, "size-weighted")
+        cumulative = model.matrix.cumsum(axis=1)[values]
+        sensitive.append((rng.random(n)[:, None] > cumulative).sum(axis=1))
+    cells = PublishedCells.from_codes(columns, domains, [public, *sensitive])
+    target = tuple(range(1, w + 1))
+    query = Query({"p": ("yes",)}, {f"s{k}": f"v{target[k]}" for k in range(w)})
+    estimate = DecoyReconstruction(cells, gamma, columns[1:], clip=False).estimate(query)
+
+    joint = np.ravel_multi_index(sensitive, (m,) * w)
+    y_in = np.bincount(joint[public == 1], minlength=m**w).astype(float)
+    y_out = np.bincount(joint[public == 0], minlength=m**w).astype(float)
+
+    def transition(y_in: np.ndarray, y_out: np.ndarray) -> np.ndarray:
+        total = (y_in + y_out).reshape((m,) * w)
+        matrix = np.eye(1)
+        for k in range(w):
+            counts = total.sum(axis=tuple(j for j in range(w) if j != k))
+            matrix = np.kron(matrix, transition_model(counts, gamma, "size-weighted").matrix)
+        return matrix
+
+    def answer(y_in: np.ndarray, y_out: np.ndarray) -> float:
+        solved = np.linalg.solve(transition(y_in, y_out).T, y_in)
+        return float(solved[np.ravel_multi_index(target, (m,) * w)])
+
+    assert estimate.estimate == pytest.approx(answer(y_in, y_out), rel=1e-9)
+    gradient = []
+    for y in (y_in, y_out):
+        slope = np.empty(len(y))
+        for j in range(len(y)):
+            up, down = y.copy(), y.copy()
+            up[j] += 0.5
+            down[j] -= 0.5
+            pair = (up, y_out) if y is y_in else (y_in, up)
+            low = (down, y_out) if y is y_in else (y_in, down)
+            slope[j] = answer(*pair) - answer(*low)
+        gradient.append(slope)
+    matrix = transition(y_in, y_out)
+    # The plug-in counts inside P with negatives set to 0; outside P the variance of an
+    # answer's slope is a sum over attributes, so only x̂_¬P's marginals count (positive).
+    inside = np.clip(np.linalg.solve(matrix.T, y_in), 0, None)
+    outside = np.linalg.solve(matrix.T, y_out)
+    for k in range(w):
+        assert (outside.reshape((m,) * w).sum(axis=tuple(j for j in range(w) if j != k)) > 0).all()
+    variance = 0.0
+    for states, slope in zip((inside, outside), gradient, strict=True):
+        variance += states @ (matrix @ slope**2 - (matrix @ slope) ** 2)
+    z = stats.norm.ppf(0.975)
+    assert (estimate.high - estimate.low) / (2 * z) == pytest.approx(np.sqrt(variance), rel=1e-4)
+
+
 def test_iterative_method_reaches_the_closed_form_at_an_interior_point():
     table = synthetic_table(SHARES, 8000, seed=1)
     cells = PublishedCells.from_table(publish(table, seed=3))
     queries, _ = all_queries(table)
-    closed = DecoyReconstruction(cells, 5, ["s"], clip=False).estimate_many(queries)
+    closed = DecoyReconstruction(cells, 5, ["s"], matrix="corrected", clip=False).estimate_many(
+        queries
+    )
     iterative = DecoyReconstruction(
-        cells, 5, ["s"], method="iterative", tolerance=1e-7, max_iterations=200_000
-    ).estimate_many(queries)
+        cells, 5, ["s"], method="iterative", matrix="corrected", tolerance=1e-7,
+        max_iterations=200_000,
+    ).estimate_many(queries)  # fmt: skip
     interior = [c.estimate > 1 for c in closed]
     assert sum(interior) > len(queries) // 2
     for c, i, inside in zip(closed, iterative, interior, strict=True):
@@ -185,6 +255,37 @@ def test_value_at_the_eligibility_bound_is_not_identifiable():
     assert not estimate.identifiable
     assert estimate.estimate == pytest.approx(500 * 200 / 1000)
     assert (estimate.low, estimate.high) == (0.0, 500.0)
+
+
+def test_a_value_in_every_group_leaves_no_conjunction_identifiable():
+    """s0 at N/γ sits in every group: its records publish exactly as an average record of
+    the other values, so no "P ∧ s" is identifiable, s0 or not (the 2×2 model answers
+    the others)."""
+    columns, domains = ["a", "s"], {"a": ["x", "y"], "s": [f"s{i}" for i in range(8)]}
+    s = np.repeat(np.arange(8), [400, 300, 300, 250, 250, 200, 150, 150])  # 400 = 2000/5
+    a = np.tile([0, 1], 1000)
+    cells = PublishedCells.from_codes(columns, domains, [a, s])
+    query = Query({"a": ("x",)}, {"s": "s3"})
+    assert not DecoyReconstruction(cells, 5, ["s"]).estimate(query).identifiable
+    assert DecoyReconstruction(cells, 5, ["s"], matrix="corrected").estimate(query).identifiable
+
+
+def test_an_interval_wider_than_the_feasible_range_is_declined():
+    """A value at 19% of the rows with γ = 5 (its estimate amplified about 80 times):
+    its conjunction with a 5% predicate would have an interval far wider than |P|, so
+    it is declined: the proportional share, in [0, |P|]. The rarest value is answered."""
+    shares = [0.19, 0.15, 0.14, 0.12, 0.11, 0.1, 0.09, 0.06, 0.04]
+    table = synthetic_table(shares, 45_000, public_values=20, seed=12)
+    cells = PublishedCells.from_table(publish(table, seed=13))
+    reconstruction = DecoyReconstruction(cells, 5, ["s"])
+    rare = Query({"a": ("a7",)}, {"s": "s0"})
+    declined = reconstruction.estimate(rare)
+    rows = declined.predicate_rows
+    assert not declined.identifiable and rows < 0.1 * len(table)
+    assert (declined.low, declined.high) == (0.0, float(rows))
+    share = (cells.column["s"] == cells.code("s", "s0")) @ cells.weights / cells.total
+    assert declined.estimate == pytest.approx(rows * share)
+    assert reconstruction.estimate(Query({"a": ("a7",)}, {"s": "s8"})).identifiable
 
 
 def test_public_only_query_is_exact():

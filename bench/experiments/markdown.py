@@ -940,7 +940,7 @@ def parameter_table(r: Results, facts: Facts) -> str:
     rows = [
         (
             ("decoy",),
-            f"γ ∈ {{{', '.join(map(str, r.gammas))}}}; size-weighted grouping, corrected "
+            f"γ ∈ {{{', '.join(map(str, r.gammas))}}}; size-weighted grouping, mixing "
             "matrix, closed form, estimates clipped (service defaults)",
             f"{note('decoy', 'suppressed rows')} rows suppressed, {note('decoy', 'trimmed rows')} "
             "trimmed to a multiple of γ (γ = 5)",

@@ -3,7 +3,7 @@
 Parameters follow the papers' fair-comparison rules (seed notes 001 pitfall 20 and
 each paper's experiment section), with γ = 5 unless a sweep varies it:
 
-- decoy groups: group size γ; the service default (size-weighted grouping, corrected
+- decoy groups: group size γ; the service default (size-weighted grouping, mixing
   matrix, closed form) and, for reference, the papers' configuration (Anatomy
   grouping, the paper's matrix, iterative Bayesian reconstruction);
 - Anatomy: ℓ = γ, Xiao & Tao's estimator;
@@ -119,6 +119,7 @@ def decoy(grouping: str, matrix: str, method: str) -> Callable[[Context, int], O
                 [ctx.pool.sensitive],
                 method=method,
                 matrix=matrix,
+                grouping=grouping,
             ),
             ctx.pool,
         )
@@ -286,7 +287,7 @@ MECHANISMS: tuple[Mechanism, ...] = (
         True,
         "#d62728",
         "-",
-        decoy("size-weighted", "corrected", "closed"),
+        decoy("size-weighted", "mixing", "closed"),
     ),
     Mechanism(
         "decoy-paper",

@@ -316,15 +316,25 @@ def add_mechanism_options(parser: argparse.ArgumentParser, reconstruction: bool)
             "(implied by --budget bounded and by --config; the estimate is the same)",
         )
         decoy.add_argument(
+            "--grouping",
+            choices=GROUPINGS,
+            help="the cutting rule the publication was grouped by, which the mixing model "
+            "follows: size-weighted (default, every stream's) or anatomy (`splu publish "
+            "--grouping anatomy`)",
+        )
+        decoy.add_argument(
             "--method",
             choices=METHODS,
-            help="closed form (default) or the papers' iterative Bayesian method",
+            help="closed form (default) or the papers' iterative Bayesian method (2×2 "
+            "matrices only)",
         )
         decoy.add_argument(
             "--matrix",
             choices=MATRICES,
-            help="transition entry t=(γ−1)f/(γ(N−f)) (default) or the papers' "
-            "f/N, which biases conjunctive counts low",
+            help="mixing (default): how often the cutting rule groups each pair of values, "
+            "m×m, from the published counts; or the papers' 2×2 model, with "
+            "t=(γ−1)f/(γ(N−f)) (corrected) or f/N (paper), which assume every value mixes "
+            "alike and bias conjunctive counts as N grows",
         )
         decoy.add_argument(
             "--tolerance",

@@ -57,8 +57,9 @@ Measure, on a sample of your own data, what each setting of decoy groups and per
 groups guarantees and how accurate its counts are, and recommend one:
 
   decoy, every feasible γ (2 up to 1/the largest value's share): T_P(ε, α), T_f,
-    the share suppressed, each value's share and amplification 1/(1/γ − t) of
-    conjunctive counts on it (warned past --max-amplification);
+    the share suppressed, each value's share and the amplification of the noise of
+    conjunctive counts on it under the estimator's model of size-weighted cuts
+    (1/(1/γ − t) if values mixed uniformly; warned past --max-amplification);
   personal, each --retention p at --lambda/--delta: v_g and v_r of plain
     perturbation, the share SPS perturbs, v_g under SPS;
   --mechanism all adds the batch mechanisms on the same queries: Anatomy (ℓ = γ),
@@ -189,7 +190,7 @@ def print_decoy(settings: Sequence[planning.Setting], args: argparse.Namespace) 
     )  # fmt: skip
     values = first["values"]
     print(
-        f"\n  share of each value in the sample, and the amplification 1/(1/γ − t) of "
+        f"\n  share of each value in the sample, and the amplification of the noise of "
         f"conjunctive counts on it (! past {args.max_amplification:g}):"
     )
     rows = []
