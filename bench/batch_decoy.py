@@ -10,7 +10,7 @@ marital_status, education; sensitive: occupation; γ = 5):
   (Arrow's parser, the csv module where it must) and writing the published CSV
   are timed on their own, and so is the csv module reading the whole file row by
   row, as before issue 18 (no targets).
-- ``splu publish`` end to end: the real CLI, ``service.cli.main``, on the input
+- ``splu publish`` end to end: the real CLI, ``service.cli.batch.main``, on the input
   CSV of --rows records (read, scan the schema, encode, publish, write the
   published CSV; target ≤ 1.5 s).
 - one query: single ``DecoyReconstruction(...).estimate(query)`` calls (closed
@@ -20,7 +20,7 @@ marital_status, education; sensitive: occupation; γ = 5):
   and p99 (targets ≤ 1 ms, ≤ 10 ms).
 - --queries queries from the published file: the path ``splu query`` takes
   (read the CSV, aggregate it into cells, build the reconstruction, answer with
-  ``estimate_many``; target ≤ 5 s), and the real CLI, ``service.cli.main``
+  ``estimate_many``; target ≤ 5 s), and the real CLI, ``service.cli.batch.main``
   with a JSONL query file, end to end.
 
 Run from the repository root:
@@ -42,11 +42,11 @@ from pathlib import Path
 import numpy as np
 from report import log, median_seconds, print_table
 
-from service.cli import main as splu
-from service.mechanisms.decoy import DecoyGroups
-from service.prf import ServiceKey, random_ids
-from service.reconstruct import DecoyReconstruction, Estimate, PublishedCells, Query
-from service.table import (
+from service.cli.batch import main as splu
+from service.core.mechanisms.decoy import DecoyGroups
+from service.core.prf import ServiceKey, random_ids
+from service.core.reconstruct import DecoyReconstruction, Estimate, PublishedCells, Query
+from service.core.table import (
     Table,
     open_sample,
     open_text,

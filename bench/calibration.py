@@ -18,7 +18,7 @@ Adult resampled to each N, over many publications:
 - mechanisms and modes:
   - decoy batch: `DecoyGroups.publish` (γ = 5) with the size-weighted cut or, with
     --grouping anatomy, Anatomy's largest-first cut;
-  - decoy stream: a Python replay of `service/lua/decoy.lua`'s cut for one stream
+  - decoy stream: a Python replay of `service/store/lua/decoy.lua`'s cut for one stream
     partition (`replay_decoy_stream`): records arrive in random order, --stream-batch
     per call; each call counts its arrivals into the buckets and cuts while γ buckets
     are non-empty, taking every value whose backlog is ≥ 1/γ of the waiting records
@@ -27,12 +27,12 @@ Adult resampled to each N, over many publications:
     end is suppressed (no record waits past max_wait in a stream this fast);
   - personal batch: `PersonalGroups.publish` (SPS, p = 0.5, λ = δ = 0.3, adaptive
     budget, merge map fitted on the resampled table, as `splu publish` does);
-  - personal stream: `PersonalStream` (`service/mechanisms/personal_stream.py`), the
-    replay of `service/lua/personal.lua`'s reserve trials that a test holds against
+  - personal stream: `PersonalStream` (`service/core/mechanisms/personal_stream.py`), the
+    replay of `service/store/lua/personal.lua`'s reserve trials that a test holds against
     the script (bounded budget, the stream's default), records in random order;
   - --budgets conservative adds the personal budget planned with f = 1.
 - estimators, side by side: decoy's 2×2 model (``matrix="corrected"``, t = (γ−1)f/(γ(N−f)))
-  and the m×m model of the cutting rule (``matrix="mixing"``, `service.mixing`, the
+  and the m×m model of the cutting rule (``matrix="mixing"``, `service.core.mixing`, the
   default); personal's SPS interval.
 
 Per row of the table: coverage of the answers given (identifiable ones) with its
@@ -66,19 +66,19 @@ from dataclasses import dataclass
 import numpy as np
 from report import log, print_table, status
 
-from service.mechanisms.decoy import GROUPINGS, DecoyGroups
-from service.mechanisms.personal import BUDGETS, STREAM_BUDGETS, PersonalGroups
-from service.mechanisms.personal_stream import PersonalStream
-from service.merge import ValueMap, fit_value_map
-from service.prf import ServiceKey, random_ids
-from service.reconstruct import (
+from service.core.mechanisms.decoy import GROUPINGS, DecoyGroups
+from service.core.mechanisms.personal import BUDGETS, STREAM_BUDGETS, PersonalGroups
+from service.core.mechanisms.personal_stream import PersonalStream
+from service.core.merge import ValueMap, fit_value_map
+from service.core.prf import ServiceKey, random_ids
+from service.core.reconstruct import (
     DecoyReconstruction,
     PersonalReconstruction,
     PublishedCells,
     Query,
     Reconstruction,
 )
-from service.table import Table, distinct_rows, open_sample, read_table
+from service.core.table import Table, distinct_rows, open_sample, read_table
 
 PUBLIC = ("age", "sex", "race", "marital_status", "education")
 SENSITIVE = "occupation"
@@ -184,7 +184,7 @@ def publish_decoy_batch(table: Table, key: ServiceKey, setting: Setting) -> Publ
 def replay_decoy_stream(
     values: np.ndarray, gamma: int, batch: int, rng: np.random.Generator
 ) -> list[list[int]]:
-    """The groups `service/lua/decoy.lua` cuts from one attribute's values arriving in this
+    """The groups `service/store/lua/decoy.lua` cuts from one attribute's values arriving in this
     order, `batch` per call, as lists of row positions in value order.
 
     Per call: the arrivals join their buckets; while γ buckets are non-empty a group

@@ -92,11 +92,11 @@ from deploy.embedded import (
     spawn_worker,
     stream_env,
 )
-from service.auditor import TrustedState
-from service.buffer import BufferState, connect
-from service.config import MIN_MIXING_GROUPS, StreamConfig
-from service.running_counts import RunningCounts
-from streams.topics import create_topics
+from service.core.config import MIN_MIXING_GROUPS, StreamConfig
+from service.store.auditor import TrustedState
+from service.store.buffer import BufferState, connect
+from service.store.running_counts import RunningCounts
+from streams.runtime.topics import create_topics
 
 CLUSTER_MASTERS = 3
 CLUSTER_SLOTS = 16384
@@ -106,7 +106,7 @@ BIG_POOL = 1_000_000  # a mixing floor no memory run reaches: nothing is publish
 LONG_WAIT = 3600.0  # seconds: nothing buffered for the memory runs is suppressed meanwhile
 # Environment variables naming external servers: the benchmark starts its own.
 SERVER_ENV = ("KAFKA_BOOTSTRAP", "REDIS_URL", "REDIS_CLUSTER")
-FINGERPRINT_BUCKETS = 65536  # 2-byte buckets per fingerprint hash (service/lua/fingerprints.lua)
+FINGERPRINT_BUCKETS = 65536  # 2-byte buckets per fingerprint hash (fingerprints.lua)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ queries, and the first --queries of each are kept:
 - small: true count 1–10; target mean relative error ≥ 50% (small counts must
   stay noisy: that is the privacy side).
 
-The draw is ``service.planning.query_pool``, the one `splu plan` measures with.
+The draw is ``service.core.planning.query_pool``, the one `splu plan` measures with.
 
 The table is published --publications times (ServiceKey.from_seed(s) and
 random_ids(n, key), s = --seed, --seed + 1, ...) with each grouping, and every
@@ -39,11 +39,11 @@ from dataclasses import dataclass, field
 import numpy as np
 from report import DRAW_LIMIT, log, print_table
 
-from service import planning
-from service.mechanisms.decoy import DecoyGroups
-from service.prf import ServiceKey, random_ids
-from service.reconstruct import DecoyReconstruction, PublishedCells, Query
-from service.table import Table, open_sample, read_table
+from service.core import planning
+from service.core.mechanisms.decoy import DecoyGroups
+from service.core.prf import ServiceKey, random_ids
+from service.core.reconstruct import DecoyReconstruction, PublishedCells, Query
+from service.core.table import Table, open_sample, read_table
 
 QUASI = ("age", "sex", "race", "marital_status", "education")
 SENSITIVE = "occupation"

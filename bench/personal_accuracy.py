@@ -42,11 +42,11 @@ from dataclasses import dataclass, field
 import numpy as np
 from report import DRAW_LIMIT, log, median_seconds, print_table
 
-from service.mechanisms.personal import PersonalGroups
-from service.merge import ValueMap, fit_value_map
-from service.prf import ServiceKey, random_ids
-from service.reconstruct import PersonalReconstruction, PublishedCells, Query
-from service.table import Table, open_sample, read_table
+from service.core.mechanisms.personal import PersonalGroups
+from service.core.merge import ValueMap, fit_value_map
+from service.core.prf import ServiceKey, random_ids
+from service.core.reconstruct import PersonalReconstruction, PublishedCells, Query
+from service.core.table import Table, open_sample, read_table
 
 PUBLIC = ("education", "occupation", "race", "sex")
 SENSITIVE = "income"

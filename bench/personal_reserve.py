@@ -11,7 +11,7 @@ Each of --publications publications per N draws a fresh resample, service key
    ``A_1=a_1 ∧ … ∧ A_d=a_d ∧ occupation=s`` (d ≤ 3 public attributes) whose true count
    on the resample is at least --selectivity (1%) of N, answered by
    `PersonalReconstruction` (raw MLE, unclipped) on batch SPS (adaptive and
-   conservative budgets) and on the stream (`service.mechanisms.personal_stream`, the
+   conservative budgets) and on the stream (`service.core.mechanisms.personal_stream`, the
    Lua rule replayed; bounded and conservative budgets, release size 50, rows in random
    order). A publication's queries share one draw, so coverage is judged on its mean
    over publications: ``mean ± standard error over publications``; the mean relative
@@ -36,12 +36,12 @@ import numpy as np
 from personal_accuracy import percent
 from report import print_table, status
 
-from service.mechanisms.personal import PersonalGroups, PersonalRelease
-from service.mechanisms.personal_stream import PersonalStream
-from service.merge import ValueMap, fit_value_map
-from service.prf import ServiceKey, random_ids
-from service.reconstruct import PersonalReconstruction, PublishedCells, Query
-from service.table import Table, distinct_rows, open_sample, read_table
+from service.core.mechanisms.personal import PersonalGroups, PersonalRelease
+from service.core.mechanisms.personal_stream import PersonalStream
+from service.core.merge import ValueMap, fit_value_map
+from service.core.prf import ServiceKey, random_ids
+from service.core.reconstruct import PersonalReconstruction, PublishedCells, Query
+from service.core.table import Table, distinct_rows, open_sample, read_table
 
 PUBLIC = ("education", "marital_status", "race", "sex")
 SENSITIVE = "occupation"

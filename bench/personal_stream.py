@@ -45,12 +45,12 @@ import tomli_w
 from personal_accuracy import PUBLIC, SENSITIVE, draw_workloads, percent
 from report import log, print_table
 
-from service import client
-from service.cli import main as splu
-from service.merge import ValueMap
-from service.prf import ServiceKey
-from service.table import open_sample, read_table
-from streams.run import run_stream
+from service.cli import client
+from service.cli.batch import main as splu
+from service.core.merge import ValueMap
+from service.core.prf import ServiceKey
+from service.core.table import open_sample, read_table
+from streams.tools.run import run_stream
 
 EXAMPLES = Path(__file__).parents[1] / "deploy" / "examples"
 RATIO_TARGET = 1.25

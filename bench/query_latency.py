@@ -72,17 +72,17 @@ from aiokafka.producer.message_accumulator import BatchBuilder
 from report import Result, log, log_tail, print_table, status
 
 from deploy.embedded import EmbeddedServers, ManagedProcess, free_port, spawn_consumer
-from service import client
-from service.buffer import connect
-from service.config import StreamConfig, load_config
-from service.mechanisms.decoy import DecoyGroups
-from service.prf import ServiceKey, random_ids
-from service.publication import stream_reconstruction
-from service.reconstruct import Estimate, PublishedCells, Query, Reconstruction
-from service.running_counts import RunningCounts
-from service.table import Table, open_sample, read_table
-from streams.kafka import client_options
-from streams.topics import create_topics
+from service.cli import client
+from service.core.config import StreamConfig, load_config
+from service.core.mechanisms.decoy import DecoyGroups
+from service.core.prf import ServiceKey, random_ids
+from service.core.publication import stream_reconstruction
+from service.core.reconstruct import Estimate, PublishedCells, Query, Reconstruction
+from service.core.table import Table, open_sample, read_table
+from service.store.buffer import connect
+from service.store.running_counts import RunningCounts
+from streams.runtime.kafka import client_options
+from streams.runtime.topics import create_topics
 
 EXAMPLE = "adult-decoy.toml"
 HOST = "127.0.0.1"

@@ -8,7 +8,7 @@ each a child process.
 - **stream**: ``deploy/examples/adult-decoy.toml`` under a fresh name with the settings
   of ``bench/stream_throughput.py`` (--partitions 4, --max-wait 5 s, flush_interval 2 s),
   so the default rate relates to the capacity that benchmark measures. When
-  ``service.config.StreamConfig`` has a ``dedup_window`` field, the config sets
+  ``service.core.config.StreamConfig`` has a ``dedup_window`` field, the config sets
   ``stream.dedup_window`` (--dedup-window) and the run is *windowed*: the worker's dedup
   index and the consumer's tokens are kept for one to two windows. Otherwise the run is
   *unwindowed*: both keep an entry per record for good (this checkout: a 10-byte
@@ -16,7 +16,7 @@ each a child process.
   overhead). Which mode ran is printed.
 - **records**: the bundled UCI Adult sample resampled with replacement (seed --seed),
   cycled, each record under a unique id (``soak:<n>``), produced at --rate records/s
-  for --minutes (``streams.produce.produce``), after both the worker and the consumer
+  for --minutes (``streams.tools.produce.produce``), after both the worker and the consumer
   joined their consumer groups (the worker owns every partition, the consumer's group
   is Stable and its /status answers).
 - **every --interval seconds** a line on stdout: elapsed time; records produced
@@ -119,16 +119,16 @@ from deploy.embedded import (
     spawn_worker,
     stream_env,
 )
-from service.auditor import TrustedState
-from service.buffer import BufferState
-from service.client import ConsumerError
-from service.client import status as consumer_status
-from service.config import StreamConfig, load_config
-from service.metrics import histogram_quantile
-from service.running_counts import RunningCounts
-from streams.kafka import client_options
-from streams.produce import produce
-from streams.topics import create_topics
+from service.cli.client import ConsumerError
+from service.cli.client import status as consumer_status
+from service.core.config import StreamConfig, load_config
+from service.store.auditor import TrustedState
+from service.store.buffer import BufferState
+from service.store.running_counts import RunningCounts
+from streams.runtime.kafka import client_options
+from streams.runtime.metrics import histogram_quantile
+from streams.runtime.topics import create_topics
+from streams.tools.produce import produce
 
 CAPACITY = 50_000.0  # records/s while the stream flows: bench/stream_throughput.py, 2 cores
 # Fixed, so that soaks compare across runs (it was 60% of the capacity of 5,000 records/s

@@ -6,7 +6,7 @@ the tansu broker and a Redis-protocol server with ``appendfsync always``), each
 phase on its own stream name, so its topics and Redis keys start empty. Every
 stream uses ``deploy/examples/adult-decoy.toml`` with --partitions partitions,
 max_wait --max-wait, flush_interval 2 s and report_interval one hour (no privacy
-report runs meanwhile), topics created first (``streams.topics.create_topics``):
+report runs meanwhile), topics created first (``streams.runtime.topics.create_topics``):
 
 - **records**: --records records resampled with replacement (seed --seed) from
   the bundled UCI Adult sample, as JSON objects of the example's columns. The
@@ -128,18 +128,18 @@ from deploy.embedded import (
     spawn_worker,
     stream_env,
 )
-from service.auditor import TrustedState
-from service.buffer import StreamBuffer, connect
-from service.config import KafkaSettings, StreamConfig, load_config, parse_config
-from service.ingest import Preparer, RawMessage
-from service.lifecycle import Lifecycle
-from service.metrics import DELAY_SLACK  # seconds over max_wait allowed at p99
-from service.running_counts import RunningCounts
-from service.table import open_sample
-from streams.app import now_ms
-from streams.kafka import client_options
-from streams.produce import produce
-from streams.topics import create_topics
+from service.core.config import KafkaSettings, StreamConfig, load_config, parse_config
+from service.core.ingest import Preparer, RawMessage
+from service.core.table import open_sample
+from service.store.auditor import TrustedState
+from service.store.buffer import StreamBuffer, connect
+from service.store.lifecycle import Lifecycle
+from service.store.running_counts import RunningCounts
+from streams.runtime.app import now_ms
+from streams.runtime.kafka import client_options
+from streams.runtime.metrics import DELAY_SLACK  # seconds over max_wait allowed at p99
+from streams.runtime.topics import create_topics
+from streams.tools.produce import produce
 
 EXAMPLE = "adult-decoy.toml"
 # As in `splu demo`: a quiet pool is published after 2 s, so the mixing pool adds little delay.

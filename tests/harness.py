@@ -22,12 +22,12 @@ from aiokafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssigno
 from aiokafka.errors import KafkaError
 
 from deploy.embedded import free_port, spawn_consumer, spawn_worker
-from service.buffer import BufferState, IngestOutcome, StreamBuffer
-from service.config import StreamConfig, load_config
-from service.ingest import PreparedBatch
-from service.table import open_sample
-from streams.app import partition_of
-from streams.kafka import client_options
+from service.core.config import StreamConfig, load_config
+from service.core.ingest import PreparedBatch
+from service.core.table import open_sample
+from service.store.buffer import BufferState, IngestOutcome, StreamBuffer
+from streams.runtime.app import partition_of
+from streams.runtime.kafka import client_options
 
 EXAMPLES = Path(__file__).parents[1] / "deploy" / "examples"
 RECORDS = 20_000
@@ -282,7 +282,7 @@ def adult_rows(config: StreamConfig, start: int = 0) -> list[tuple[bytes, bytes]
 
 
 class GroupedHops:
-    """A personal stream's two hops without Kafka (`streams.app.add_ingest`): each record of
+    """A personal stream's two hops without Kafka (`streams.runtime.app.add_ingest`): each record of
     a raw batch goes to the partition of its group, as the worker keys it, at the next
     offset there, and is stored in that partition's buffer."""
 

@@ -30,12 +30,12 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.structs import TopicPartition
 from harness import Harness
 
-from service.buffer import BufferState
-from service.config import load_config
-from service.table import open_sample
-from streams.app import TICK_INTERVAL
-from streams.produce import produce
-from streams.topics import create_topics
+from service.core.config import load_config
+from service.core.table import open_sample
+from service.store.buffer import BufferState
+from streams.runtime.topics import create_topics
+from streams.tools.produce import produce
+from streams.worker.app import TICK_INTERVAL
 
 # Whole stream processes on the embedded servers; run once, not again on Debian's Redis.
 pytestmark = pytest.mark.stream

@@ -14,18 +14,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from service.mechanisms.anatomy import Anatomy, AnatomyReconstruction
-from service.mechanisms.dbr import DBRReconstruction, DistributionBasedRandomization
-from service.mechanisms.decoy import id_rank
-from service.mechanisms.global_randomization import (
+from service.core.mechanisms.anatomy import Anatomy, AnatomyReconstruction
+from service.core.mechanisms.dbr import DBRReconstruction, DistributionBasedRandomization
+from service.core.mechanisms.decoy import id_rank
+from service.core.mechanisms.global_randomization import (
     GlobalRandomization,
     GlobalRandomizationReconstruction,
 )
-from service.mechanisms.laplace import LaplaceCounts
-from service.prf import ServiceKey, random_ids
-from service.reconstruct import PublishedCells, Query
-from service.schema import Attribute, Schema, SchemaError
-from service.table import Table
+from service.core.mechanisms.laplace import LaplaceCounts
+from service.core.prf import ServiceKey, random_ids
+from service.core.reconstruct import PublishedCells, Query
+from service.core.schema import Attribute, Schema, SchemaError
+from service.core.table import Table
 from tests.conftest import synthetic_table
 
 ALPHA = 0.001

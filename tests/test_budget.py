@@ -1,6 +1,6 @@
 """The stream's bounded trial budget for personal groups (issue 15, item 2).
 
-The bound (`service.guarantees.share_upper_bound`, `service/lua/bound.lua`) against
+The bound (`service.core.guarantees.share_upper_bound`, `service/store/lua/bound.lua`) against
 scipy's Clopper–Pearson quantile; the Lua budget on a drifting stream at a virtual
 clock, where the old adaptive budget overruns and the bounded one does not; and the
 same drifting stream, and Adult, through the worker on the embedded servers.
@@ -24,19 +24,19 @@ import redis.asyncio as aioredis
 from harness import RECORDS, TIMEOUT, GroupedHops, Harness, adult_rows
 from scipy import stats
 
-from service.auditor import TrustedState
-from service.buffer import StreamBuffer, lua_script
-from service.config import StreamConfig, parse_config
-from service.guarantees import (
+from service.core.config import StreamConfig, parse_config
+from service.core.guarantees import (
     budget_epoch,
     epoch_level,
     share_upper_bound,
 )
-from service.ingest import Preparer, RawMessage
-from service.prf import ServiceKey
-from service.privacy_tests import budget
-from service.table import open_sample
-from streams.produce import produce
+from service.core.ingest import Preparer, RawMessage
+from service.core.prf import ServiceKey
+from service.core.privacy_tests import budget
+from service.core.table import open_sample
+from service.store.auditor import TrustedState
+from service.store.buffer import StreamBuffer, lua_script
+from streams.tools.produce import produce
 
 EXAMPLES = Path(__file__).parents[1] / "deploy" / "examples"
 KEY = ServiceKey.from_seed(15)

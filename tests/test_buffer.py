@@ -25,15 +25,15 @@ from harness import GroupedHops
 from scipy.stats import norm as stats_norm
 from virtual_worker import VirtualWorker
 
-from service.auditor import TrustedState
-from service.buffer import PoolEntry, StreamBuffer
-from service.config import StreamConfig, parse_config
-from service.guarantees import trial_limit
-from service.ingest import NO_KEY, Preparer, RawMessage
-from service.mechanisms.decoy import DecoyGroups
-from service.mechanisms.personal import UniformPerturbation
-from service.prf import ServiceKey
-from service.table import open_sample
+from service.core.config import StreamConfig, parse_config
+from service.core.guarantees import trial_limit
+from service.core.ingest import NO_KEY, Preparer, RawMessage
+from service.core.mechanisms.decoy import DecoyGroups
+from service.core.mechanisms.personal import UniformPerturbation
+from service.core.prf import ServiceKey
+from service.core.table import open_sample
+from service.store.auditor import TrustedState
+from service.store.buffer import PoolEntry, StreamBuffer
 
 # Talks to a Redis-protocol server: .ci/run repeats these against Debian's redis-server.
 pytestmark = pytest.mark.redis

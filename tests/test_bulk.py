@@ -1,4 +1,4 @@
-"""The bulk path (`streams.bulk`): a worker that dies after Redis stored a fetch and before
+"""The bulk path (`streams.runtime.bulk`): a worker that dies after Redis stored a fetch and before
 its offsets were committed loses nothing and randomizes nothing twice.
 
 The worker ends at the fault point `SPLU_FAULT_EXIT_BEFORE_COMMIT` (after handling its
@@ -19,11 +19,16 @@ import redis.asyncio as aioredis
 from harness import RECORDS, TIMEOUT, Harness, adult_rows
 
 from deploy.embedded import spawn_worker
-from service.prf import ServiceKey
-from streams.app import create_app
-from streams.bulk import EXIT_FAULT, FAULT_EXIT_BEFORE_COMMIT, FAULT_TOPIC, FETCH_MAX_WAIT_MS
-from streams.produce import produce
-from streams.topics import create_topics
+from service.core.prf import ServiceKey
+from streams.runtime.bulk import (
+    EXIT_FAULT,
+    FAULT_EXIT_BEFORE_COMMIT,
+    FAULT_TOPIC,
+    FETCH_MAX_WAIT_MS,
+)
+from streams.runtime.topics import create_topics
+from streams.tools.produce import produce
+from streams.worker.app import create_app
 
 pytestmark = pytest.mark.stream
 
@@ -86,7 +91,7 @@ def test_a_kill_between_store_and_commit_loses_and_rerandomizes_nothing(servers,
 def test_the_broker_holds_a_fetch_that_finds_nothing_briefly(servers, tmp_path):
     """A worker's fetcher has the broker hold a fetch without records for FETCH_MAX_WAIT_MS,
     not the 1.5 s Faust fixes, during which partitions that ran dry would wait behind it
-    (`streams.bulk.BulkConsumerThread`)."""
+    (`streams.runtime.bulk.BulkConsumerThread`)."""
     config = Harness(servers, tmp_path, "adult-decoy.toml").config
 
     async def fetch_wait_ms() -> int:

@@ -36,11 +36,11 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from service.mechanisms.decoy import DecoyGroups
-from service.prf import ServiceKey, random_ids
-from service.reconstruct import DecoyReconstruction, PublishedCells, Query
-from service.schema import Attribute, Schema
-from service.table import Table
+from service.core.mechanisms.decoy import DecoyGroups
+from service.core.prf import ServiceKey, random_ids
+from service.core.reconstruct import DecoyReconstruction, PublishedCells, Query
+from service.core.schema import Attribute, Schema
+from service.core.table import Table
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
 try:

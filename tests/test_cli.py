@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from service.cli import main
+from service.cli.batch import main
 
 QUASI = "age,sex,race,marital_status,education"
 

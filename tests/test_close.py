@@ -25,11 +25,11 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from virtual_worker import VirtualWorker, adult_messages
 
-from service.config import StreamConfig, parse_config
-from service.lifecycle import close_status
-from service.prf import ServiceKey
-from service.table import open_sample
-from streams.closing import close_stream
+from service.core.config import StreamConfig, parse_config
+from service.core.prf import ServiceKey
+from service.core.table import open_sample
+from service.store.lifecycle import close_status
+from streams.worker.closing import close_stream
 
 pytestmark = pytest.mark.redis
 

@@ -29,12 +29,12 @@ from harness import Harness, adult_rows
 from test_consumer import wait_for
 
 from deploy.embedded import free_port
-from service.buffer import BufferState
-from service.running_counts import RunningCounts
+from service.store.buffer import BufferState
+from service.store.running_counts import RunningCounts
 from streams.cli import main
-from streams.closing import request_close
-from streams.produce import produce
-from streams.topics import create_topics
+from streams.runtime.topics import create_topics
+from streams.tools.produce import produce
+from streams.worker.closing import request_close
 
 pytestmark = pytest.mark.stream
 

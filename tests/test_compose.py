@@ -3,7 +3,7 @@
 The topology runs in the other tests on the embedded servers; this checks what only the
 file holds: it parses with the secrets of the README's `.env`, refuses to start without
 them, runs the worker and the consumer as their least-privilege Redis users with exactly
-the rules `service.buffer.acl_rules` gives, keeps Redis's slow log off, and checks the
+the rules `service.store.buffer.acl_rules` gives, keeps Redis's slow log off, and checks the
 worker's and the consumer's health on their /readyz pages, and has Prometheus load the
 alert rules and scrape every worker and the consumer where they serve /metrics. What
 compose cannot show here (a running container turning healthy) is shown by the stream
@@ -11,7 +11,7 @@ tests on the same pages.
 
 Kafka: every listener is SASL_SSL, the ACL authorizer allows nothing but the grants,
 each role logs in as its own principal, and the grants, the topics and the README's and
-docs/architecture.md's ACL tables are `streams.kafka.topic_grants` and `role_topics`.
+docs/architecture.md's ACL tables are `streams.runtime.kafka.topic_grants` and `role_topics`.
 The two one-shot setup steps run here as compose would run them, with their volumes
 mapped to directories and the Kafka tools replaced by stubs that record their
 arguments: what a real broker makes of them only a deployment shows (README,
@@ -36,11 +36,11 @@ import yaml
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import pkcs12
 
-from service.buffer import ROLES, acl_rules
-from service.config import parse_config
-from service.manifest import MANIFEST_CONFIG, manifest_topic
-from streams.kafka import ROLES as KAFKA_ROLES
-from streams.kafka import role_topics, topic_grants
+from service.core.config import parse_config
+from service.core.manifest import MANIFEST_CONFIG, manifest_topic
+from service.store.buffer import ROLES, acl_rules
+from streams.runtime.kafka import ROLES as KAFKA_ROLES
+from streams.runtime.kafka import role_topics, topic_grants
 
 ROOT = Path(__file__).parents[1]
 COMPOSE = shutil.which("docker-compose", path=str(Path(sys.executable).parent))

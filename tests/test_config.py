@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from service.config import MIN_MIXING_GROUPS, ConfigError, StreamConfig, parse_config
+from service.core.config import MIN_MIXING_GROUPS, ConfigError, StreamConfig, parse_config
 
 EXAMPLES = Path(__file__).parents[1] / "deploy" / "examples"
 

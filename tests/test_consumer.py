@@ -26,11 +26,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.embedded import free_port
-from service import client
-from service.cli import main
-from streams.app import partition_of
-from streams.produce import produce
-from streams.topics import create_topics
+from service.cli import client
+from service.cli.batch import main
+from streams.runtime.app import partition_of
+from streams.runtime.topics import create_topics
+from streams.tools.produce import produce
 
 # Whole stream processes on the embedded servers; run once, not again on Debian's Redis.
 pytestmark = pytest.mark.stream

@@ -16,7 +16,7 @@ income (adaptive budget), 191 on occupation (conservative) and 187 on
 native_country (adaptive; m = 41, United-States 91%).
 
 A personal stream (the rows arriving in the resample's order, replayed by
-`service.mechanisms.personal_stream`) spends trials by arrival, not by SPS's
+`service.core.mechanisms.personal_stream`) spends trials by arrival, not by SPS's
 stratified sample: its case, on native_country with the stream's bounded
 budget, is the hardest for the stream design (`PersonalReconstruction._design`),
 whose dominant value shares few trials and whose limit depends on an estimated
@@ -44,18 +44,23 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from service.mechanisms.decoy import DecoyGroups
-from service.mechanisms.global_randomization import (
+from service.core.mechanisms.decoy import DecoyGroups
+from service.core.mechanisms.global_randomization import (
     GlobalRandomization,
     GlobalRandomizationReconstruction,
 )
-from service.mechanisms.personal import PersonalGroups, PersonalRelease
-from service.mechanisms.personal_stream import PersonalStream
-from service.mechanisms.sdr import SDRReconstruction, SmallDomainRandomization
-from service.merge import ValueMap, fit_value_map
-from service.prf import ServiceKey, random_ids
-from service.reconstruct import DecoyReconstruction, PersonalReconstruction, PublishedCells, Query
-from service.table import Table, distinct_rows, open_sample, read_table
+from service.core.mechanisms.personal import PersonalGroups, PersonalRelease
+from service.core.mechanisms.personal_stream import PersonalStream
+from service.core.mechanisms.sdr import SDRReconstruction, SmallDomainRandomization
+from service.core.merge import ValueMap, fit_value_map
+from service.core.prf import ServiceKey, random_ids
+from service.core.reconstruct import (
+    DecoyReconstruction,
+    PersonalReconstruction,
+    PublishedCells,
+    Query,
+)
+from service.core.table import Table, distinct_rows, open_sample, read_table
 
 PUBLICATIONS = 200
 REQUIRED = 0.93
@@ -181,7 +186,7 @@ def personal_release(
     table: Table, key: ServiceKey, workload: Workload, budget: str, stream: bool = False
 ) -> PersonalRelease:
     """SPS, or with `stream` the stream's trial rule with the rows arriving in order (the
-    resample's, random), as `service/lua/personal.lua` spends trials."""
+    resample's, random), as `service/store/lua/personal.lua` spends trials."""
     if stream:
         mechanism: PersonalGroups | PersonalStream = PersonalStream(
             RETENTION, LAMBDA, DELTA, budget, reference_map(workload), STREAM_RELEASE_SIZE

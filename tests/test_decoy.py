@@ -10,11 +10,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from service.mechanisms import decoy
-from service.mechanisms.decoy import DecoyGroups
-from service.prf import KeyedUniforms, ServiceKey, keystream64, prf64, random_ids, to_unit_interval
-from service.schema import Attribute, Schema
-from service.table import Table
+from service.core.mechanisms import decoy
+from service.core.mechanisms.decoy import DecoyGroups
+from service.core.prf import (
+    KeyedUniforms,
+    ServiceKey,
+    keystream64,
+    prf64,
+    random_ids,
+    to_unit_interval,
+)
+from service.core.schema import Attribute, Schema
+from service.core.table import Table
 from tests.conftest import synthetic_table
 
 

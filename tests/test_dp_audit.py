@@ -7,8 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
-from service.dp_audit import audit_disclosures, closeness_probability, laplace_ratio_cdf
-from service.table import open_sample, read_table
+from service.core.dp_audit import audit_disclosures, closeness_probability, laplace_ratio_cdf
+from service.core.table import open_sample, read_table
 
 SAMPLES = 200_000  # Monte Carlo standard error ≤ 0.5/√200000 ≈ 0.0011, so 0.01 is 9 of them
 

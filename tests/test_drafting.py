@@ -1,4 +1,4 @@
-"""`service/drafting.py`, what `splu plan --config-out` decides: which public columns are
+"""`service/core/drafting.py`, what `splu plan --config-out` decides: which public columns are
 binned and where, the stream's size, which setting is written (recommended, or the most
 private when none meets the bound), and that every draft loads as `splu run` loads it."""
 
@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service import drafting, planning
-from service.cli import main
-from service.config import DEFAULT_MIXING_POOL, load_config
-from service.prf import ServiceKey, random_ids
-from service.schema import Rejection
-from service.table import read_table
+from service.cli.batch import main
+from service.core import drafting, planning
+from service.core.config import DEFAULT_MIXING_POOL, load_config
+from service.core.prf import ServiceKey, random_ids
+from service.core.schema import Rejection
+from service.core.table import read_table
 
 
 def survey_text(rows: int = 400, seed: int = 1) -> str:

@@ -27,8 +27,8 @@ from deploy.embedded import (
     RedisServer,
     ServerStartError,
 )
-from service.config import KafkaSettings
-from streams.topics import create_topics, run_in_thread
+from service.core.config import KafkaSettings
+from streams.runtime.topics import create_topics, run_in_thread
 
 # Talks to a Redis-protocol server: .ci/run repeats these against Debian's redis-server.
 pytestmark = pytest.mark.redis

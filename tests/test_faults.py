@@ -49,16 +49,17 @@ from harness import RECORDS, Harness, adult_rows
 from redis.exceptions import RedisError
 
 from deploy.embedded import HOST, RedisServer, spawn_worker
-from service import client as consumer_client
-from service.auditor import TrustedState
-from service.buffer import PoolEntry
-from service.config import StreamConfig
-from service.ingest import Preparer, RawMessage
-from service.mechanisms.personal_stream import BORROWED, COPY, TRIAL, stream_trials
-from service.running_counts import CellCodec, RunningCounts
-from streams.bulk import EXIT_FAULT, FAULT_EXIT_BEFORE_COMMIT, FAULT_TOPIC
-from streams.produce import produce
-from streams.topics import create_topics
+from service.cli import client as consumer_client
+from service.core.config import StreamConfig
+from service.core.ingest import Preparer, RawMessage
+from service.core.mechanisms.personal_stream import BORROWED, COPY, TRIAL, stream_trials
+from service.core.published import CellCodec
+from service.store.auditor import TrustedState
+from service.store.buffer import PoolEntry
+from service.store.running_counts import RunningCounts
+from streams.runtime.bulk import EXIT_FAULT, FAULT_EXIT_BEFORE_COMMIT, FAULT_TOPIC
+from streams.runtime.topics import create_topics
+from streams.tools.produce import produce
 
 # Whole stream processes on the embedded servers; run once, not again on Debian's Redis.
 pytestmark = pytest.mark.stream
@@ -415,7 +416,7 @@ def personal_publication(
 ) -> dict[bytes, tuple[bytes, int]]:
     """(kind, published code) of every record, replaying `personal.lua` per group in the
     order of <stream>.grouped (`grouped_order`), which holds each group in one partition
-    (`service.mechanisms.personal_stream`). The budget is fixed, so the release points,
+    (`service.core.mechanisms.personal_stream`). The budget is fixed, so the release points,
     which the replay cannot know, change nothing."""
     settings = config.personal
     assert settings is not None and settings.budget == "conservative", "a fixed budget"

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import maximum_flow
 
-from service.mechanisms import fprivacy
-from service.mechanisms.fprivacy import (
+from service.core.mechanisms import fprivacy
+from service.core.mechanisms.fprivacy import (
     BucketPublication,
     BucketSetting,
     FeasiblePairs,
@@ -35,10 +35,10 @@ from service.mechanisms.fprivacy import (
     valid_one_size,
     valid_two_size,
 )
-from service.prf import ServiceKey, random_ids
-from service.reconstruct import Query, QueryError
-from service.schema import Attribute, Schema
-from service.table import Table
+from service.core.prf import ServiceKey, random_ids
+from service.core.reconstruct import Query, QueryError
+from service.core.schema import Attribute, Schema
+from service.core.table import Table
 
 # Example 3: x1–x8 once, x9–x12 six times, x13–x14 nine times; f′ = 2f + 0.05.
 EXAMPLE_3 = [1] * 8 + [6] * 4 + [9] * 2

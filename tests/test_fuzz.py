@@ -2,7 +2,7 @@
 
 - `Preparer.prepare` on arbitrary bytes and on valid records with one thing made odd
   never raises, accepts exactly the valid records (checked against a reading of the
-  schema written here, independently of `service.schema`), and rejects everything else
+  schema written here, independently of `service.core.schema`), and rejects everything else
   with a reason that never echoes a sensitive value. The rejected-topic payload is JSON
   holding the reason and, as documented, the raw record.
 - `parse_config` on the example configs with one thing broken either succeeds or raises
@@ -40,12 +40,12 @@ from harness import Harness, adult_rows
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from service.config import ConfigError, StreamConfig, parse_config
-from service.ingest import MAX_MESSAGE_BYTES, Preparer, RawMessage
-from service.prf import ServiceKey
-from service.schema import Attribute, Schema, SchemaError
-from streams.produce import produce
-from streams.topics import create_topics
+from service.core.config import ConfigError, StreamConfig, parse_config
+from service.core.ingest import MAX_MESSAGE_BYTES, Preparer, RawMessage
+from service.core.prf import ServiceKey
+from service.core.schema import Attribute, Schema, SchemaError
+from streams.runtime.topics import create_topics
+from streams.tools.produce import produce
 
 T = TypeVar("T")
 Pick = Callable[[Sequence[T]], T]
@@ -80,7 +80,7 @@ PREPARERS = {name: Preparer(config, KEY) for name, config in CONFIGS.items()}
 
 
 # ---------------------------------------------------------------------------------------------
-# What a valid record is, read from SPEC §1 rather than from service.schema.
+# What a valid record is, read from SPEC §1 rather than from service.core.schema.
 
 # A binned value may also be a string holding a plain decimal number (a CSV field),
 # padded with ASCII whitespace at most.
@@ -701,7 +701,7 @@ def mentions(message: str, name: str) -> bool:
     return name in message or repr(name)[1:-1] in message
 
 
-# Messages of service/config.py that name the table but not the field: the [personal]
+# Messages of service/core/config.py that name the table but not the field: the [personal]
 # parameter checks (the sensitive domain's size, the trial limit against stream.partitions)
 # and the one-sensitive-attribute rule. See test_config_gaps_outside_this_change.
 TABLE_ONLY = ("fuzz.toml: [personal] ", "fuzz.toml: personal groups protect exactly one")

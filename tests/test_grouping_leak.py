@@ -2,12 +2,12 @@
 
 The published topic must not tell which records share a hidden decoy group, whether the
 stream brings one record every two seconds or a burst of thousands. The mixing rule
-(service/lua/emit.lua) promises: every record leaves in a uniformly shuffled take drawn
+(service/store/lua/emit.lua) promises: every record leaves in a uniformly shuffled take drawn
 uniformly from at least `mixing_pool` records (the floor). These tests hold the real
 code to that promise.
 
 The runs. The real buffer (`StreamBuffer`, its Lua steps) and the real emission code
-(`streams.app.Emitter`, what the worker's timer calls, with the real `Publisher` and the
+(`streams.runtime.app.Emitter`, what the worker's timer calls, with the real `Publisher` and the
 embedded broker) on a virtual clock: every 100 ms (the emit interval) the records that
 arrived are ingested, every second the partitions tick, then one emission round runs.
 Two stream partitions, γ = 5 occupations of Adult, a floor of 50 records (10 groups),
@@ -63,13 +63,13 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from virtual_worker import VirtualWorker
 
-from service.buffer import FINAL_POOL, SHUFFLE_SEED_BYTES, PoolEntry, StreamBuffer
-from service.config import StreamConfig, parse_config
-from service.ingest import Preparer, RawMessage
-from service.prf import ServiceKey
-from service.table import open_sample
-from streams.app import EMIT_CHUNK, EMIT_INTERVAL
-from streams.closing import close_stream
+from service.core.config import StreamConfig, parse_config
+from service.core.ingest import Preparer, RawMessage
+from service.core.prf import ServiceKey
+from service.core.table import open_sample
+from service.store.buffer import FINAL_POOL, SHUFFLE_SEED_BYTES, PoolEntry, StreamBuffer
+from streams.worker.app import EMIT_CHUNK, EMIT_INTERVAL
+from streams.worker.closing import close_stream
 
 # Talks to a Redis-protocol server: .ci/run repeats these against Debian's redis-server.
 pytestmark = pytest.mark.redis

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from service.guarantees import (
+from service.core.guarantees import (
     chebyshev_thresholds,
     deviation_probability,
     privacy_threshold,

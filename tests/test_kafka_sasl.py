@@ -1,5 +1,5 @@
-"""Kafka SASL and the [kafka] security settings (issue 31; `service.config`,
-`streams/kafka.py`).
+"""Kafka SASL and the [kafka] security settings (issue 31; `service.core.config`,
+`streams/runtime/kafka.py`).
 
 The embedded broker (tansu 0.6) takes no SASL mechanism without `--authentication`,
 and with it only SCRAM logins of users held in its storage, which memory storage
@@ -39,7 +39,7 @@ from test_cli_errors import EXAMPLES, assert_one_line, clean_env, csv_input, run
 
 from deploy.certificates import make_certificates
 from deploy.embedded import KafkaBroker
-from service.config import (
+from service.core.config import (
     KAFKA_ENV,
     SASL_MECHANISMS,
     ConfigError,
@@ -47,7 +47,7 @@ from service.config import (
     kafka_from_env,
     parse_config,
 )
-from streams.kafka import (
+from streams.runtime.kafka import (
     client_options,
     faust_options,
     security_options,

@@ -1,4 +1,4 @@
-"""Kafka over TLS, certificates verified (issue 31; `streams/kafka.py`).
+"""Kafka over TLS, certificates verified (issue 31; `streams/runtime/kafka.py`).
 
 The embedded broker (tansu 0.6) serves no TLS handshake aiokafka completes, so Debian's
 stunnel (deploy/system-packages.sh) terminates TLS in front of it, with a certificate for
@@ -34,10 +34,10 @@ from test_consumer import wait_for
 
 from deploy.certificates import TlsFiles, make_certificates
 from deploy.embedded import KafkaBroker, TlsProxy, free_port
-from service.config import kafka_from_env
-from streams.closing import request_close
-from streams.produce import produce
-from streams.reader import read_publication
+from service.core.config import kafka_from_env
+from streams.tools.produce import produce
+from streams.tools.reader import read_publication
+from streams.worker.closing import request_close
 
 pytestmark = pytest.mark.stream
 

@@ -1,5 +1,18 @@
-"""The layers: the privacy core (`service/`) stands without the stream (`streams/`), the
-embedded servers (`deploy/`) and the command line; the stream layer builds on it."""
+"""The layers, as the folders show them (README, "Layout"), each building only on those
+below it:
+
+    streams.cli                      the `splu` entry point: every command
+    streams.tools                    produce, run, demo, up, the downstream reader
+    streams.worker  streams.consumer the Faust agents of each process
+    streams.runtime                  what every stream process shares
+    service.cli                      the batch commands
+    service.store                    the Redis store
+    service.core                     the privacy core: no Redis, Kafka or Faust
+
+`deploy` (the embedded servers) builds on the core and the store, and only the stream's
+tools and the entry point use it. The worker's and the consumer's agents never import
+each other.
+"""
 
 from __future__ import annotations
 
@@ -11,23 +24,40 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).parents[1]
-# The command line: `service/cli.py` and the modules of its commands.
-CLI = ("service.cli", "service.commands")
+# Low to high: a module may import its own layer and the layers before it.
+LAYERS = (
+    ("service.core",),
+    ("service.store",),
+    ("service.cli",),
+    ("deploy",),
+    ("streams.runtime",),
+    ("streams.worker", "streams.consumer"),
+    ("streams.tools",),
+    ("streams.cli",),
+)
+# Side by side in one layer, yet apart.
+APART = (("streams.worker", "streams.consumer"),)
+
+
+def _modules(package: str) -> list[str]:
+    folder = ROOT.joinpath(*package.split("."))
+    return sorted(_module(path) for path in folder.rglob("*.py"))
 
 
 @pytest.mark.parametrize(
-    ("blocked", "modules"),
+    ("package", "blocked"),
     [
         (
-            ("faust", "aiokafka", "kafka", "redis", "streams", "deploy"),
-            ("service.cli", "service.publication", "service.config"),
+            "service.core",
+            ("faust", "aiokafka", "kafka", "redis", "prometheus_client", "streams", "deploy"),
         ),
-        # A windowed stream keeps its windows in Redis, as every stream its buffer.
-        (("faust", "aiokafka", "kafka", "streams", "deploy"), ("service.windowed",)),
+        ("service.store", ("faust", "aiokafka", "kafka", "streams", "deploy")),
+        ("service.cli", ("faust", "aiokafka", "kafka", "streams", "deploy")),
     ],
 )
-def test_the_core_imports_without_the_stream(blocked, modules):
+def test_a_layer_imports_without_what_sits_above_it(package, blocked):
     # A module set to None in sys.modules raises ImportError when imported.
+    modules = _modules(package)
     code = (
         f"import sys; sys.modules.update(dict.fromkeys({blocked!r})); import {', '.join(modules)}"
     )
@@ -59,7 +89,7 @@ def _imports(path: Path) -> list[tuple[int, str]]:
         elif isinstance(node, ast.ImportFrom):
             base = package[: len(package) - node.level + 1] if node.level else []
             module = ".".join([*base, *([node.module] if node.module else [])])
-            # `from service import cli` imports the module service.cli.
+            # `from service import cli` imports the module service.cli.batch.
             submodules = [f"{module}.{a.name}" for a in node.names]
             found += [(node.lineno, m) for m in (module, *filter(_is_module, submodules))]
     return found
@@ -69,20 +99,35 @@ def _within(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
-def test_no_core_module_imports_the_stream_or_the_command_line():
+def _layer(module: str) -> int | None:
+    return next((i for i, layer in enumerate(LAYERS) if _within(module, layer)), None)
+
+
+def test_no_module_reaches_up_a_layer_or_across_to_its_neighbour():
     edges = [
         (path, line, _module(path), target)
-        for folder in ("service", "streams")
+        for folder in ("service", "streams", "deploy")
         for path in sorted((ROOT / folder).rglob("*.py"))
         for line, target in _imports(path)
         if _within(target, ("service", "streams", "deploy"))
     ]
     assert edges, "no imports found: is ROOT the repository?"
-    upward = [
+    unplaced = sorted(
+        {m for _, _, module, target in edges for m in (module, target) if _layer(m) is None}
+        - {"service", "streams", "deploy"}
+    )
+    assert not unplaced, f"modules in no layer: {unplaced}"
+    wrong = [
         f"{path.relative_to(ROOT)}:{line} imports {target}"
         for path, line, module, target in edges
-        if (_within(module, ("service",)) and _within(target, ("streams", "deploy")))
-        # The command line is the top: only the entry point builds on it.
-        or (_within(target, (*CLI, "streams.cli")) and not _within(module, (*CLI, "streams.cli")))
+        if target not in ("service", "streams", "deploy")
+        and (
+            _layer(target) > _layer(module)
+            or any(
+                _within(module, a) and _within(target, b) and not _within(target, a)
+                for pair in APART
+                for a, b in (pair, pair[::-1])
+            )
+        )
     ]
-    assert not upward, "a module reaches up a layer:\n" + "\n".join(upward)
+    assert not wrong, "a module reaches up a layer or across:\n" + "\n".join(wrong)

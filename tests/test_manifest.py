@@ -24,24 +24,24 @@ from aiokafka import AIOKafkaProducer
 from harness import EXAMPLES, RECORDS, Harness, adult_rows
 from test_consumer import random_queries, wait_for
 
-from service import client
-from service.cli import main as service_main
-from service.config import load_config
-from service.manifest import Manifest, ManifestError, Publication, Tally, manifest_topic
-from service.publication import stream_reconstruction
-from service.reconstruct import Query
-from service.running_counts import CellCodec
+from service.cli import client
+from service.cli.batch import main as service_main
+from service.core.config import load_config
+from service.core.manifest import Manifest, ManifestError, Publication, Tally, manifest_topic
+from service.core.publication import stream_reconstruction
+from service.core.published import CellCodec
+from service.core.reconstruct import Query
 from streams.cli import main as streams_main
-from streams.manifest import (
+from streams.runtime.manifest import (
     ManifestConflictError,
     check_manifest,
     claim_manifest,
     manifest_topics,
     read_to_end,
 )
-from streams.produce import produce
-from streams.reader import read_publication
-from streams.topics import create_topics
+from streams.runtime.topics import create_topics
+from streams.tools.produce import produce
+from streams.tools.reader import read_publication
 
 ROOT = Path(__file__).parents[1]
 KEY_HEX = "ab" * 32

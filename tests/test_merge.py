@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from service.merge import ValueMap, chi_square_statistics, fit_value_map, merged_classes
-from service.schema import Attribute, Schema, SchemaError
-from service.table import Table
+from service.core.merge import ValueMap, chi_square_statistics, fit_value_map, merged_classes
+from service.core.schema import Attribute, Schema, SchemaError
+from service.core.table import Table
 
 
 def test_statistic_is_pearsons_two_sample_chi_square():

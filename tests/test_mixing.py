@@ -1,13 +1,13 @@
-"""The m×m transition models of decoy cutting rules (service/mixing.py)."""
+"""The m×m transition models of decoy cutting rules (service/core/mixing.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from service.mechanisms import decoy
-from service.mixing import REPLAY_GROUPS, partner_weights, transition_model
-from service.prf import KeyedUniforms, ServiceKey
+from service.core.mechanisms import decoy
+from service.core.mixing import REPLAY_GROUPS, partner_weights, transition_model
+from service.core.prf import KeyedUniforms, ServiceKey
 
 # Occupation on Adult (45,222 rows), two Craft-repair fewer so that N is a multiple of 5.
 ADULT = [5540, 14, 6018, 5984, 1480, 2046, 2970, 4808, 232, 6008, 976, 5408, 1420, 2316]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
 PACKAGES = ("service", "streams", "deploy")
-DATA = ("service/data", "service/lua", "streams/static", "deploy/examples")
+DATA = ("service/core/data", "service/store/lua", "streams/consumer/static", "deploy/examples")
 
 
 def test_the_wheel_builds_without_warnings_and_holds_the_data(tmp_path):

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from service.guarantees import lambda_limit, trial_limit
-from service.mechanisms.personal import PersonalGroups, UniformPerturbation
-from service.merge import fit_value_map
-from service.prf import ServiceKey, random_ids
-from service.reconstruct import PersonalReconstruction, PublishedCells, Query
-from service.schema import Attribute, Schema, SchemaError
-from service.table import Table, open_sample, read_table
+from service.core.guarantees import lambda_limit, trial_limit
+from service.core.mechanisms.personal import PersonalGroups, UniformPerturbation
+from service.core.merge import fit_value_map
+from service.core.prf import ServiceKey, random_ids
+from service.core.reconstruct import PersonalReconstruction, PublishedCells, Query
+from service.core.schema import Attribute, Schema, SchemaError
+from service.core.table import Table, open_sample, read_table
 
 
 def test_perturbation_matrix_is_what_the_formula_says():

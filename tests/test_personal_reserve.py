@@ -40,12 +40,12 @@ from test_personal_stream_replay import (
     rare_last,
 )
 
-from service import client
-from service.auditor import TrustedState
-from service.buffer import BufferState
-from service.config import StreamConfig
-from service.mechanisms.personal import UniformPerturbation
-from streams.run import run_stream
+from service.cli import client
+from service.core.config import StreamConfig
+from service.core.mechanisms.personal import UniformPerturbation
+from service.store.auditor import TrustedState
+from service.store.buffer import BufferState
+from streams.tools.run import run_stream
 
 pytestmark = pytest.mark.stream
 

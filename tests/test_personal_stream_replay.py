@@ -1,5 +1,5 @@
-"""The Python replay of a personal stream (`service.mechanisms.personal_stream`) against
-`service/lua/personal.lua` on the embedded Redis server.
+"""The Python replay of a personal stream (`service.core.mechanisms.personal_stream`) against
+`service/store/lua/personal.lua` on the embedded Redis server.
 
 Adult's occupation (m = 14) with public sex and race merged to White / non-White (4
 groups, as in ../shared/notes/personal-borrowed-copies.md), through both hops to the Lua
@@ -26,14 +26,20 @@ import redis.asyncio as aioredis
 import tomli_w
 from harness import GroupedHops
 
-from service.auditor import TrustedState
-from service.buffer import PoolEntry, StreamBuffer
-from service.config import StreamConfig, load_config
-from service.ingest import Preparer, RawMessage
-from service.mechanisms.personal_stream import BORROWED, COPY, TRIAL, PersonalStream, stream_trials
-from service.merge import ValueMap
-from service.prf import ServiceKey
-from service.table import Table, open_sample
+from service.core.config import StreamConfig, load_config
+from service.core.ingest import Preparer, RawMessage
+from service.core.mechanisms.personal_stream import (
+    BORROWED,
+    COPY,
+    TRIAL,
+    PersonalStream,
+    stream_trials,
+)
+from service.core.merge import ValueMap
+from service.core.prf import ServiceKey
+from service.core.table import Table, open_sample
+from service.store.auditor import TrustedState
+from service.store.buffer import PoolEntry, StreamBuffer
 
 pytestmark = pytest.mark.redis
 

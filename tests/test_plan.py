@@ -13,11 +13,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service.cli import main
-from service.mechanisms.decoy import DecoyGroups
-from service.prf import ServiceKey, random_ids
-from service.reconstruct import DecoyReconstruction, PublishedCells
-from service.table import open_sample, read_table
+from service.cli.batch import main
+from service.core.mechanisms.decoy import DecoyGroups
+from service.core.prf import ServiceKey, random_ids
+from service.core.reconstruct import DecoyReconstruction, PublishedCells
+from service.core.table import open_sample, read_table
 
 ROOT = Path(__file__).parents[1]
 SCHEMA = json.loads((ROOT / "docs" / "plan.schema.json").read_text())

@@ -1,6 +1,6 @@
 """The worker's preparation, made faster for issue 13, gives byte for byte what it gave.
 
-`ReferencePreparer` below is `service.ingest.Preparer` as it was before (per-record dict
+`ReferencePreparer` below is `service.core.ingest.Preparer` as it was before (per-record dict
 parse and key count, per-row hashing and joins). Both prepare the same messages, from
 resampled Adult records written in several ways to the fuzz tests' odd and arbitrary
 messages, and everything a batch carries must be equal: the accepted/rejected split, the
@@ -28,8 +28,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_fuzz import ARBITRARY_LISTS, CONFIGS, FUZZ, KEYS, ODD_LISTS
 
-from service.config import StreamConfig, parse_config
-from service.ingest import (
+from service.core.config import StreamConfig, parse_config
+from service.core.ingest import (
     MAX_MESSAGE_BYTES,
     NO_KEY,
     PreparedBatch,
@@ -37,12 +37,12 @@ from service.ingest import (
     RawMessage,
     Rejected,
 )
-from service.mechanisms.decoy import DecoyGroups
-from service.mechanisms.personal import PersonalGroups, UniformPerturbation
-from service.prf import ServiceKey, prf128
-from service.schema import Attribute, RecordError, Rejection, Schema
-from service.table import Table, open_sample
-from service.windowed import WindowPreparer
+from service.core.mechanisms.decoy import DecoyGroups
+from service.core.mechanisms.personal import PersonalGroups, UniformPerturbation
+from service.core.prf import ServiceKey, prf128
+from service.core.schema import Attribute, RecordError, Rejection, Schema
+from service.core.table import Table, open_sample
+from service.core.windows import WindowPreparer
 
 EXAMPLES = Path(__file__).parents[1] / "deploy" / "examples"
 KEY = ServiceKey.from_seed(13)
@@ -50,14 +50,14 @@ KNOWN_BIN_VALUES = 10_000
 
 
 def reference_ids(key: ServiceKey, names: list[bytes]) -> np.ndarray:
-    """`service.prf.ids_for` as it was."""
+    """`service.core.prf.ids_for` as it was."""
     digests = b"".join(hashlib.blake2b(name, digest_size=16).digest() for name in names)
     blocks = np.frombuffer(digests, dtype=">u8").astype(np.uint64).reshape(-1, 2)
     return prf128(key, "record ids", blocks)
 
 
 class ReferencePreparer:
-    """`service.ingest.Preparer` as it was before issue 13, verbatim but for `ids_for`."""
+    """`service.core.ingest.Preparer` as it was before issue 13, verbatim but for `ids_for`."""
 
     def __init__(self, config: StreamConfig, key: ServiceKey) -> None:
         self.config = config
@@ -225,7 +225,7 @@ class ReferencePreparer:
 
 
 class WindowReference(ReferencePreparer):
-    """`service.windowed.WindowPreparer` over the reference: no per-record draws."""
+    """`service.core.windows.WindowPreparer` over the reference: no per-record draws."""
 
     def _batch(self, partition: int, rows: list[tuple[RawMessage, list[int]]]) -> PreparedBatch:
         codes = np.asarray([c for _, c in rows], dtype=np.int64).reshape(len(rows), -1)

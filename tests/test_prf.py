@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from service.prf import KeyedUniforms, ServiceKey, keystream64, prf64, random_ids, to_unit_interval
+from service.core.prf import (
+    KeyedUniforms,
+    ServiceKey,
+    keystream64,
+    prf64,
+    random_ids,
+    to_unit_interval,
+)
 
 
 def test_same_key_same_outputs_and_ids():

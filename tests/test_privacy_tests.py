@@ -18,26 +18,22 @@ import pytest
 import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.config import ConfigError, StreamConfig, parse_config
-from service.guarantees import trial_limit
-from service.mechanisms.decoy import DecoyGroups
-from service.metrics import (
+from service.core.config import ConfigError, StreamConfig, parse_config
+from service.core.guarantees import trial_limit
+from service.core.mechanisms.decoy import DecoyGroups
+from service.core.prf import ServiceKey, random_ids
+from service.core.privacy_tests import adversary, budget, eligibility, guarantees
+from service.core.publication import stream_reconstruction
+from service.core.published import CellCodec, PublishedRecordError
+from service.core.reconstruct import PublishedCells
+from service.core.table import open_sample, read_table
+from service.store.running_counts import LegacyCountsError, RunningCounts
+from streams.runtime.metrics import (
     delay_histogram,
     histogram_quantile,
     render_prometheus,
     render_worker,
 )
-from service.prf import ServiceKey, random_ids
-from service.privacy_tests import adversary, budget, eligibility, guarantees
-from service.publication import stream_reconstruction
-from service.reconstruct import PublishedCells
-from service.running_counts import (
-    CellCodec,
-    LegacyCountsError,
-    PublishedRecordError,
-    RunningCounts,
-)
-from service.table import open_sample, read_table
 
 EXAMPLES = Path(__file__).parents[1] / "deploy" / "examples"
 T0 = 1_700_000_000_000  # a fixed clock, advanced by hand

@@ -35,11 +35,11 @@ from harness import Harness, adult_rows
 from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.embedded import ManagedProcess, free_port, spawn
-from service import client
-from service.buffer import BufferState
-from service.metrics import render_prometheus, render_worker
-from streams.produce import produce
-from streams.topics import create_topics
+from service.cli import client
+from service.store.buffer import BufferState
+from streams.runtime.metrics import render_prometheus, render_worker
+from streams.runtime.topics import create_topics
+from streams.tools.produce import produce
 
 ROOT = Path(__file__).parents[1]
 RULES = ROOT / "deploy" / "prometheus" / "alerts.yml"

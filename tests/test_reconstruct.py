@@ -6,16 +6,16 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from service.mechanisms.decoy import DecoyGroups
-from service.mixing import transition_model
-from service.prf import ServiceKey, random_ids
-from service.reconstruct import (
+from service.core.mechanisms.decoy import DecoyGroups
+from service.core.mixing import transition_model
+from service.core.prf import ServiceKey, random_ids
+from service.core.reconstruct import (
     DecoyReconstruction,
     PublishedCells,
     Query,
     QueryError,
 )
-from service.table import Table, write_table
+from service.core.table import Table, write_table
 from tests.conftest import synthetic_table
 
 SHARES = [0.15, 0.14, 0.13, 0.12, 0.11, 0.10, 0.09, 0.08, 0.05, 0.03]
@@ -300,7 +300,7 @@ def test_public_only_query_is_exact():
 def test_cells_from_csv_rows_match_cells_from_the_table(tmp_path):
     import io
 
-    from service.table import read_rows
+    from service.core.table import read_rows
 
     table = synthetic_table(SHARES, 1500, seed=12)
     text = io.StringIO()

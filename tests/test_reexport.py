@@ -30,11 +30,11 @@ from aiokafka.partitioner import DefaultPartitioner
 from harness import Harness
 from test_consumer import wait_for
 
-from service.running_counts import RunningCounts
-from service.table import open_sample
+from service.core.table import open_sample
+from service.store.running_counts import RunningCounts
 from streams.cli import main
-from streams.closing import request_close
-from streams.topics import create_topics
+from streams.runtime.topics import create_topics
+from streams.worker.closing import request_close
 
 pytestmark = pytest.mark.stream
 

@@ -53,15 +53,15 @@ from deploy.embedded import (
     spawn_consumer,
     spawn_worker,
 )
-from service import client
-from service.buffer import BufferState
-from service.cli import main
-from service.lifecycle import close_status
-from service.running_counts import RunningCounts
-from streams.app import ClusterMap, partition_of
-from streams.closing import request_close
-from streams.produce import produce
-from streams.topics import create_topics
+from service.cli import client
+from service.cli.batch import main
+from service.store.buffer import BufferState
+from service.store.lifecycle import close_status
+from service.store.running_counts import RunningCounts
+from streams.runtime.app import ClusterMap, partition_of
+from streams.runtime.topics import create_topics
+from streams.tools.produce import produce
+from streams.worker.closing import request_close
 
 PARTITIONS = 6
 WORKERS = 3
@@ -349,7 +349,7 @@ def test_three_workers_and_two_consumers_on_a_redis_cluster_through_kills(
 @pytest.mark.redis
 def test_a_process_learns_every_node_of_the_cluster_as_it_starts(tmp_path):
     """A cluster client knows only the node its URL names until it reads the cluster's map.
-    A process reads it as it starts (`streams.app.ClusterMap`), so a command it sends only
+    A process reads it as it starts (`streams.runtime.app.ClusterMap`), so a command it sends only
     after that node failed still finds its slot's master. Before, a consumer that had
     counted nothing yet when the failover test killed that node failed every command."""
     cluster = RedisCluster(tmp_path / "redis", masters=3)

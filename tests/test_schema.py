@@ -7,8 +7,8 @@ import io
 import numpy as np
 import pytest
 
-from service.schema import Attribute, RecordError, Schema, SchemaError
-from service.table import Table, read_table, write_table
+from service.core.schema import Attribute, RecordError, Schema, SchemaError
+from service.core.table import Table, read_table, write_table
 
 CSV = """age,sex,job,note
 39,Male,Sales,x
@@ -98,7 +98,7 @@ def test_rejection_reasons_never_echo_a_sensitive_value():
 
 
 def test_undecodable_bytes_are_rejected_not_fatal(tmp_path):
-    from service.table import open_text
+    from service.core.table import open_text
 
     path = tmp_path / "in.csv"
     path.write_bytes(b"sex,job\nMale,Sales\nMa\xffle,Sales\nFemale,Tech\n")

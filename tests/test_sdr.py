@@ -13,7 +13,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from service.mechanisms.sdr import (
+from service.core.mechanisms.sdr import (
     SUBTABLE_COLUMN,
     SDRReconstruction,
     SmallDomainRandomization,
@@ -27,10 +27,10 @@ from service.mechanisms.sdr import (
     protected_values,
     rearrangements,
 )
-from service.prf import ServiceKey, random_ids
-from service.reconstruct import Query, QueryError
-from service.schema import Attribute, Schema, SchemaError
-from service.table import Table
+from service.core.prf import ServiceKey, random_ids
+from service.core.reconstruct import Query, QueryError
+from service.core.schema import Attribute, Schema, SchemaError
+from service.core.table import Table
 
 # Examples 1–4: frequencies of x1..x10 (the source's trailing zeros are a typo for ones,
 # seed notes 002 §2.3) under (1/3, 2/3)-privacy.

@@ -1,7 +1,7 @@
 """Secrets, least privilege and what stays behind (issue 6, item 5).
 
 One decoy stream runs on its own Redis server, the worker and the consumer each
-as a restricted ACL user (`service.buffer.acl_rules`), with log level info and
+as a restricted ACL user (`service.store.buffer.acl_rules`), with log level info and
 a sensitive domain of unique marker labels. Mid-stream and at its end the consumer
 tries every key, as `tests/test_trust_boundary.py` does for a personal stream
 (`assert_the_boundary_holds`). Then:
@@ -47,11 +47,11 @@ from test_trust_boundary import assert_the_boundary_holds, observe
 
 from deploy.certificates import make_certificates
 from deploy.embedded import RedisServer, free_port, service_user_envs, spawn_consumer, spawn_worker
-from service import client
-from service.buffer import BufferState, connect
-from service.config import ConfigError, load_config
-from service.table import open_sample
-from streams.topics import create_topics
+from service.cli import client
+from service.core.config import ConfigError, load_config
+from service.core.table import open_sample
+from service.store.buffer import BufferState, connect
+from streams.runtime.topics import create_topics
 
 pytestmark = pytest.mark.redis
 

@@ -32,11 +32,11 @@ from harness import Harness
 from test_consumer import wait_for
 from test_live_page import CHROMIUM, CHROMIUM_ARGS
 
-from service import client
-from service.config import load_config
-from service.table import open_sample
-from streams.produce import produce
-from streams.topics import create_topics
+from service.cli import client
+from service.core.config import load_config
+from service.core.table import open_sample
+from streams.runtime.topics import create_topics
+from streams.tools.produce import produce
 
 pytestmark = pytest.mark.stream
 
@@ -44,7 +44,7 @@ FLOOR = 50  # mixing_pool: 10 groups of γ = 5
 FLUSH = 2.0  # flush_interval, seconds
 SLOW, SLOW_RATE = 20, 2.0  # records and the most records/s of the slow phase
 BURST = 1000
-LONG = 5.0  # seconds: a bound of the delay histogram (service.metrics.DELAY_BOUNDS_MS)
+LONG = 5.0  # seconds: a bound of the delay histogram (service.store.buffer.DELAY_BOUNDS_MS)
 
 
 def adult_messages(names: list[str], count: int) -> list[tuple[bytes, bytes]]:

@@ -4,7 +4,7 @@ The broker would create `<stream>.raw` with its default partition count (4 on ta
 the first time a producer asks for its metadata, and the worker would then refuse the
 topic. `splu produce` creates the raw topic first, with the config's count (2 here), so a
 worker started afterwards takes the records and publishes them; it creates no other topic
-(a producer's principal may reach only `<stream>.raw`: `streams.kafka.topic_grants`).
+(a producer's principal may reach only `<stream>.raw`: `streams.runtime.kafka.topic_grants`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 from aiokafka.admin import AIOKafkaAdminClient
 from harness import Harness
 
-from service.table import open_sample
+from service.core.table import open_sample
 
 pytestmark = pytest.mark.stream
 

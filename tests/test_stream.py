@@ -22,8 +22,8 @@ import redis.asyncio as aioredis
 from harness import RECORDS, TIMEOUT, Harness, adult_rows
 
 from deploy.embedded import RedisServer
-from streams.produce import produce
-from streams.topics import create_topics
+from streams.runtime.topics import create_topics
+from streams.tools.produce import produce
 
 # Whole stream processes on the embedded servers; run once, not again on Debian's Redis.
 pytestmark = pytest.mark.stream

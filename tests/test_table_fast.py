@@ -23,9 +23,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import service.table as table_module
-from service.schema import Attribute, Rejection, Schema, SchemaError
-from service.table import (
+import service.core.table as table_module
+from service.core.schema import Attribute, Rejection, Schema, SchemaError
+from service.core.table import (
     Table,
     open_text,
     read_columns,

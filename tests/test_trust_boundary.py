@@ -2,7 +2,7 @@
 
 A personal stream runs here, and a decoy stream in `tests/test_security.py`, each on a
 Redis server of its own, the worker and the consumer as the project's own least-privilege
-users (`service.buffer.acl_rules`). While records stream in and again once they are
+users (`service.store.buffer.acl_rules`). While records stream in and again once they are
 published and the worker's audit has run, every key in Redis is read with the read
 command of its type, as the consumer (`observe`, `assert_the_boundary_holds`):
 
@@ -43,10 +43,10 @@ from deploy.embedded import (
     spawn_consumer,
     spawn_worker,
 )
-from service.auditor import PUBLISHABLE
-from service.buffer import BufferState
-from streams.produce import produce
-from streams.topics import create_topics
+from service.store.auditor import PUBLISHABLE
+from service.store.buffer import BufferState
+from streams.runtime.topics import create_topics
+from streams.tools.produce import produce
 
 RECORDS = 2500
 TIMEOUT = 120.0

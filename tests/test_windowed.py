@@ -27,21 +27,21 @@ import tomli_w
 from aiokafka import AIOKafkaProducer
 from harness import Harness, adult_rows
 
-from service.config import ConfigError, StreamConfig, WindowedSettings, load_config, parse_config
-from service.ingest import RawMessage
-from service.lifecycle import Lifecycle
-from service.prf import ServiceKey
-from service.publication import DEFAULTS, EXTRA_COLUMN
-from service.windowed import (
-    KIND,
-    WindowBuffer,
-    WindowPreparer,
-    decode_staged,
-    encode_staged,
-    render_window,
+from service.core.config import (
+    ConfigError,
+    StreamConfig,
+    WindowedSettings,
+    load_config,
+    parse_config,
 )
-from streams.produce import produce
-from streams.topics import create_topics
+from service.core.ingest import RawMessage
+from service.core.prf import ServiceKey
+from service.core.publication import DEFAULTS, EXTRA_COLUMN
+from service.core.windows import KIND, WindowPreparer, decode_staged, render_window
+from service.store.lifecycle import Lifecycle
+from service.store.windowed import WindowBuffer, encode_staged
+from streams.runtime.topics import create_topics
+from streams.tools.produce import produce
 
 EXAMPLES = Path(__file__).parents[1] / "deploy" / "examples"
 EXAMPLE = "adult-windowed.toml"

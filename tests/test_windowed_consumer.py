@@ -34,20 +34,21 @@ from harness import RECORDS, Harness, adult_rows
 from test_consumer import wait_for
 from test_windowed import rows_of, window_records, windowed_config
 
-from service import client
-from service.cli import main
-from service.config import StreamConfig, load_config
-from service.prf import ServiceKey
-from service.privacy_tests import guarantee_curve, windowed_tests
-from service.publication import EXTRA_COLUMN
-from service.reconstruct import Query
-from service.running_counts import PublishedRecordError, PublishedWindows, WindowCodec
-from service.schema import Schema
-from service.windowed import KIND, WindowState, render_window
-from streams.bulk import EXIT_FAULT, FAULT_EXIT_BEFORE_COMMIT
-from streams.produce import produce
-from streams.reader import read_publication
-from streams.topics import create_topics
+from service.cli import client
+from service.cli.batch import main
+from service.core.config import StreamConfig, load_config
+from service.core.prf import ServiceKey
+from service.core.privacy_tests import guarantee_curve, windowed_tests
+from service.core.publication import EXTRA_COLUMN
+from service.core.published import PublishedRecordError, PublishedWindows, WindowCodec
+from service.core.reconstruct import Query
+from service.core.schema import Schema
+from service.core.windows import KIND, render_window
+from service.store.windowed import WindowState
+from streams.runtime.bulk import EXIT_FAULT, FAULT_EXIT_BEFORE_COMMIT
+from streams.runtime.topics import create_topics
+from streams.tools.produce import produce
+from streams.tools.reader import read_publication
 
 # Whole stream processes on the embedded servers; run once, not again on Debian's Redis.
 pytestmark = pytest.mark.stream
@@ -244,7 +245,7 @@ def test_estimates_equal_splu_query_on_the_published_messages(runs, tmp_path, me
 
 @pytest.mark.parametrize("mechanism", list(STREAMED))
 def test_the_downstream_reader_answers_as_the_consumer(runs, mechanism):
-    """`streams.reader` (what `splu query --topic` runs) reads the manifest and the
+    """`streams.tools.reader` (what `splu query --topic` runs) reads the manifest and the
     published topic alone, side messages included, and gives the consumer's numbers."""
     run = runs[mechanism]
     config = run.harness.config

@@ -1,4 +1,4 @@
-"""The worker and consumer processes (`streams.worker`)."""
+"""The worker and consumer processes (`streams.runtime.process`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import gc
 
 import faust
 
-from streams.worker import StreamWorker
+from streams.runtime.process import StreamWorker
 
 
 def test_a_started_worker_spares_the_collector_what_its_start_up_made(tmp_path):

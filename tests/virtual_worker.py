@@ -15,14 +15,15 @@ from collections.abc import Callable
 
 import redis.asyncio as aioredis
 
-from service.buffer import FINAL_POOL, StreamBuffer
-from service.config import KafkaSettings, StreamConfig
-from service.ingest import Preparer, RawMessage
-from service.lifecycle import Lifecycle
-from service.prf import ServiceKey
-from streams.app import Emitter, Intake, Publisher, partition_of
-from streams.closing import Closer
-from streams.topics import create_topics
+from service.core.config import KafkaSettings, StreamConfig
+from service.core.ingest import Preparer, RawMessage
+from service.core.prf import ServiceKey
+from service.store.buffer import FINAL_POOL, StreamBuffer
+from service.store.lifecycle import Lifecycle
+from streams.runtime.app import Publisher, partition_of
+from streams.runtime.topics import create_topics
+from streams.worker.app import Emitter, Intake
+from streams.worker.closing import Closer
 
 
 class VirtualWorker:

@@ -38,7 +38,7 @@ from bench.experiments.workload import (
     UTILITY_KEY,
     WORKLOADS,
 )
-from service.table import Table
+from service.core.table import Table
 
 AGREE, PARTLY, DIFFER = "Agree", "Partly agree", "Differ"
 HOLDS, FAILS = "Holds", "Does not hold"
@@ -791,7 +791,7 @@ def personal_claims(r: Results) -> list[Claim]:
             AGREE if (vr or 0) > 0.95 and (vg or 0) > 0.75 and over == 0 else PARTLY,
             "The records side matches (nearly all records are in violating groups) and SPS "
             "fixes every group. The group share is lower because our χ² merge "
-            "(service.merge) yields fewer, larger groups than the thesis's generalization, "
+            "(service.core.merge) yields fewer, larger groups than the thesis's generalization, "
             "and large groups are the ones that violate.",
         )
     )

@@ -35,25 +35,25 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from bench.experiments.workload import INCOME, OCCUPATION, Pool
-from service.mechanisms.anatomy import Anatomy, AnatomyReconstruction
-from service.mechanisms.dbr import DBRReconstruction, DistributionBasedRandomization
-from service.mechanisms.decoy import DecoyGroups
-from service.mechanisms.fprivacy import FPrivacyBucketization, FPrivacyReconstruction
-from service.mechanisms.global_randomization import (
+from service.core.mechanisms.anatomy import Anatomy, AnatomyReconstruction
+from service.core.mechanisms.dbr import DBRReconstruction, DistributionBasedRandomization
+from service.core.mechanisms.decoy import DecoyGroups
+from service.core.mechanisms.fprivacy import FPrivacyBucketization, FPrivacyReconstruction
+from service.core.mechanisms.global_randomization import (
     GlobalRandomization,
     GlobalRandomizationReconstruction,
 )
-from service.mechanisms.laplace import LaplaceCounts
-from service.mechanisms.personal import PersonalGroups
-from service.mechanisms.sdr import (
+from service.core.mechanisms.laplace import LaplaceCounts
+from service.core.mechanisms.personal import PersonalGroups
+from service.core.mechanisms.sdr import (
     SDRReconstruction,
     SmallDomainRandomization,
     privacy_for_amplification,
 )
-from service.merge import ValueMap
-from service.prf import ServiceKey
-from service.reconstruct import DecoyReconstruction, PersonalReconstruction, PublishedCells
-from service.table import Table
+from service.core.merge import ValueMap
+from service.core.prf import ServiceKey
+from service.core.reconstruct import DecoyReconstruction, PersonalReconstruction, PublishedCells
+from service.core.table import Table
 
 DEFAULT_GAMMA = 5
 F_THETA = 8

@@ -60,9 +60,9 @@ from bench.experiments.workload import (
     resample,
     subsample,
 )
-from service.merge import ValueMap, fit_value_map
-from service.prf import ServiceKey, random_ids
-from service.table import Table
+from service.core.merge import ValueMap, fit_value_map
+from service.core.prf import ServiceKey, random_ids
+from service.core.table import Table
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUTPUT = ROOT / "docs" / "evaluation"

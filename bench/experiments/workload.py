@@ -38,8 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from service.reconstruct import Query
-from service.table import Table, distinct_rows, open_sample, read_table
+from service.core.reconstruct import Query
+from service.core.table import Table, distinct_rows, open_sample, read_table
 
 BENCH = Path(__file__).resolve().parents[1]
 if str(BENCH) not in sys.path:

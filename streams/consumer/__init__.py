@@ -1,0 +1,1 @@
+"""The consumer: running counts, estimates, privacy reports and the live page."""

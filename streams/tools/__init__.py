@@ -1,0 +1,1 @@
+"""Programs around the stream: produce, run, demo, up, and the downstream reader."""
