@@ -44,8 +44,9 @@ from report import log, median_seconds, print_table
 
 from service.cli.batch import main as splu
 from service.core.mechanisms.decoy import DecoyGroups
+from service.core.mechanisms.decoy_reconstruction import DecoyReconstruction
 from service.core.prf import ServiceKey, random_ids
-from service.core.reconstruct import DecoyReconstruction, Estimate, PublishedCells, Query
+from service.core.reconstruct import Estimate, PublishedCells, Query
 from service.core.table import (
     Table,
     open_sample,

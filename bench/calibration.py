@@ -67,17 +67,13 @@ import numpy as np
 from report import log, print_table, status
 
 from service.core.mechanisms.decoy import GROUPINGS, DecoyGroups
+from service.core.mechanisms.decoy_reconstruction import DecoyReconstruction
 from service.core.mechanisms.personal import BUDGETS, STREAM_BUDGETS, PersonalGroups
+from service.core.mechanisms.personal_reconstruction import PersonalReconstruction
 from service.core.mechanisms.personal_stream import PersonalStream
 from service.core.merge import ValueMap, fit_value_map
 from service.core.prf import ServiceKey, random_ids
-from service.core.reconstruct import (
-    DecoyReconstruction,
-    PersonalReconstruction,
-    PublishedCells,
-    Query,
-    Reconstruction,
-)
+from service.core.reconstruct import PublishedCells, Query, Reconstruction
 from service.core.table import Table, distinct_rows, open_sample, read_table
 
 PUBLIC = ("age", "sex", "race", "marital_status", "education")

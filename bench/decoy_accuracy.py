@@ -41,8 +41,9 @@ from report import DRAW_LIMIT, log, print_table
 
 from service.core import planning
 from service.core.mechanisms.decoy import DecoyGroups
+from service.core.mechanisms.decoy_reconstruction import DecoyReconstruction
 from service.core.prf import ServiceKey, random_ids
-from service.core.reconstruct import DecoyReconstruction, PublishedCells, Query
+from service.core.reconstruct import PublishedCells, Query
 from service.core.table import Table, open_sample, read_table
 
 QUASI = ("age", "sex", "race", "marital_status", "education")

@@ -43,9 +43,10 @@ import numpy as np
 from report import DRAW_LIMIT, log, median_seconds, print_table
 
 from service.core.mechanisms.personal import PersonalGroups
+from service.core.mechanisms.personal_reconstruction import PersonalReconstruction
 from service.core.merge import ValueMap, fit_value_map
 from service.core.prf import ServiceKey, random_ids
-from service.core.reconstruct import PersonalReconstruction, PublishedCells, Query
+from service.core.reconstruct import PublishedCells, Query
 from service.core.table import Table, open_sample, read_table
 
 PUBLIC = ("education", "occupation", "race", "sex")

@@ -37,10 +37,11 @@ from personal_accuracy import percent
 from report import print_table, status
 
 from service.core.mechanisms.personal import PersonalGroups, PersonalRelease
+from service.core.mechanisms.personal_reconstruction import PersonalReconstruction
 from service.core.mechanisms.personal_stream import PersonalStream
 from service.core.merge import ValueMap, fit_value_map
 from service.core.prf import ServiceKey, random_ids
-from service.core.reconstruct import PersonalReconstruction, PublishedCells, Query
+from service.core.reconstruct import PublishedCells, Query
 from service.core.table import Table, distinct_rows, open_sample, read_table
 
 PUBLIC = ("education", "marital_status", "race", "sex")

@@ -30,7 +30,7 @@ broker and a Redis-protocol server with ``appendfsync always``):
   persistent HTTP/1.1 keep-alive connection (``http.client``; from sending the
   request to the last byte of the answer; --new-connection opens a connection
   per query instead), then ``reconstruction.estimate(Query)`` in this process
-  on the same cells (``stream_reconstruction`` of the consumer's tally, the
+  on the same cells (``StreamConfig.reconstruction`` of the consumer's tally, the
   object the consumer itself builds). Every HTTP answer must equal the
   in-process one (estimate, low and high to 3 decimals, published, rows).
 - Labels that hold commas (the age bins, "[17,25)") are asked for by GET like
@@ -76,7 +76,6 @@ from service.cli import client
 from service.core.config import StreamConfig, load_config
 from service.core.mechanisms.decoy import DecoyGroups
 from service.core.prf import ServiceKey, random_ids
-from service.core.publication import stream_reconstruction
 from service.core.reconstruct import Estimate, PublishedCells, Query, Reconstruction
 from service.core.table import Table, open_sample, read_table
 from service.store.buffer import connect
@@ -290,7 +289,7 @@ async def consumer_cells(config: StreamConfig) -> tuple[PublishedCells, float]:
         for _ in range(REBUILDS):
             started = time.perf_counter()
             cells = counts.codec.cells(await counts.tally())
-            stream_reconstruction(config, cells)
+            config.reconstruction(cells)
             times.append(time.perf_counter() - started)
     finally:
         await redis.aclose()
@@ -443,7 +442,7 @@ def run(args: argparse.Namespace) -> Measured:
                 counting = asyncio.run(wait_counted(config, url, len(table), consumer, log_path))
                 log(f"  counted at {counting.throughput:,.0f} records/s")
                 cells, rebuild = asyncio.run(consumer_cells(config))
-                reconstruction = stream_reconstruction(config, cells)
+                reconstruction = config.reconstruction(cells)
 
                 columns = [a.name for a in config.schema.public]
                 rng = np.random.default_rng(args.seed)
@@ -495,7 +494,7 @@ def summary(args: argparse.Namespace, run: Measured, elapsed: float) -> int:
     print(
         f"HTTP: GET /estimate over {connection}, from sending the request to the answer's "
         f"last byte; in process: reconstruction.estimate(Query) on the consumer's cells "
-        f"(stream_reconstruction of its Redis tally)"
+        f"(StreamConfig.reconstruction of its Redis tally)"
     )
     equal = len(queries) - len(timings.mismatches)
     print(

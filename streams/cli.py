@@ -18,7 +18,8 @@ from service.cli import batch as cli
 from service.cli.commands.common import FORMATTER, CommandError, Commands, add_delimiter_option
 from service.core.config import KafkaSettings, load_config
 from service.core.manifest import Publication
-from service.core.publication import MECHANISMS, log, open_input
+from service.core.mechanisms.registry import DEFAULT_MECHANISM, STREAM_MECHANISMS
+from service.core.publication import log, open_input
 
 
 def command_demo(args: argparse.Namespace) -> int:
@@ -170,8 +171,8 @@ def register(commands: Commands) -> None:
     )  # fmt: skip
     demo.add_argument(
         "--mechanism",
-        choices=MECHANISMS,
-        default="decoy",
+        choices=STREAM_MECHANISMS,
+        default=DEFAULT_MECHANISM,
         help="decoy groups on occupation (default) or personal groups on income",
     )
     demo.add_argument("--records", type=int, help="stream only the first N records")

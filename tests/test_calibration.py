@@ -37,8 +37,9 @@ import pytest
 from scipy import stats
 
 from service.core.mechanisms.decoy import DecoyGroups
+from service.core.mechanisms.decoy_reconstruction import DecoyReconstruction
 from service.core.prf import ServiceKey, random_ids
-from service.core.reconstruct import DecoyReconstruction, PublishedCells, Query
+from service.core.reconstruct import PublishedCells, Query
 from service.core.schema import Attribute, Schema
 from service.core.table import Table
 

@@ -45,21 +45,18 @@ import pytest
 from scipy import stats
 
 from service.core.mechanisms.decoy import DecoyGroups
+from service.core.mechanisms.decoy_reconstruction import DecoyReconstruction
 from service.core.mechanisms.global_randomization import (
     GlobalRandomization,
     GlobalRandomizationReconstruction,
 )
 from service.core.mechanisms.personal import PersonalGroups, PersonalRelease
+from service.core.mechanisms.personal_reconstruction import PersonalReconstruction
 from service.core.mechanisms.personal_stream import PersonalStream
 from service.core.mechanisms.sdr import SDRReconstruction, SmallDomainRandomization
 from service.core.merge import ValueMap, fit_value_map
 from service.core.prf import ServiceKey, random_ids
-from service.core.reconstruct import (
-    DecoyReconstruction,
-    PersonalReconstruction,
-    PublishedCells,
-    Query,
-)
+from service.core.reconstruct import PublishedCells, Query
 from service.core.table import Table, distinct_rows, open_sample, read_table
 
 PUBLICATIONS = 200

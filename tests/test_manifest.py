@@ -28,7 +28,6 @@ from service.cli import client
 from service.cli.batch import main as service_main
 from service.core.config import load_config
 from service.core.manifest import Manifest, ManifestError, Publication, Tally, manifest_topic
-from service.core.publication import stream_reconstruction
 from service.core.published import CellCodec
 from service.core.reconstruct import Query
 from streams.cli import main as streams_main
@@ -173,7 +172,7 @@ def test_the_publication_answers_as_the_consumer_counts(tmp_path, key_env, name)
         if token and token not in seen:
             seen.add(token)
             tally[cell] = tally.get(cell, 0) + 1
-    consumer = stream_reconstruction(config, codec.cells(tally))
+    consumer = config.reconstruction(codec.cells(tally))
 
     publication = Publication.from_records(Manifest.of_config(config), messages)
     assert (publication.records, publication.duplicates, publication.invalid) == (6000, 300, 3)

@@ -10,9 +10,10 @@ from scipy import stats
 
 from service.core.guarantees import lambda_limit, trial_limit
 from service.core.mechanisms.personal import PersonalGroups, UniformPerturbation
+from service.core.mechanisms.personal_reconstruction import PersonalReconstruction
 from service.core.merge import fit_value_map
 from service.core.prf import ServiceKey, random_ids
-from service.core.reconstruct import PersonalReconstruction, PublishedCells, Query
+from service.core.reconstruct import PublishedCells, Query
 from service.core.schema import Attribute, Schema, SchemaError
 from service.core.table import Table, open_sample, read_table
 

@@ -15,8 +15,9 @@ import pytest
 
 from service.cli.batch import main
 from service.core.mechanisms.decoy import DecoyGroups
+from service.core.mechanisms.decoy_reconstruction import DecoyReconstruction
 from service.core.prf import ServiceKey, random_ids
-from service.core.reconstruct import DecoyReconstruction, PublishedCells
+from service.core.reconstruct import PublishedCells
 from service.core.table import open_sample, read_table
 
 ROOT = Path(__file__).parents[1]

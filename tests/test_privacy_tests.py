@@ -23,7 +23,6 @@ from service.core.guarantees import trial_limit
 from service.core.mechanisms.decoy import DecoyGroups
 from service.core.prf import ServiceKey, random_ids
 from service.core.privacy_tests import adversary, budget, eligibility, guarantees
-from service.core.publication import stream_reconstruction
 from service.core.published import CellCodec, PublishedRecordError
 from service.core.reconstruct import PublishedCells
 from service.core.table import open_sample, read_table
@@ -61,12 +60,12 @@ def decoy_release():
 
 def test_adversary_passes_on_decoy_output_and_fails_on_the_raw_data(decoy_release):
     config, published, truth = decoy_release
-    result = adversary(config, stream_reconstruction(config, published), truth)
+    result = adversary(config, config.reconstruction(published), truth)
     assert result.passed, result.numbers
     assert result.numbers["small_cells"] > 100
     assert result.numbers["small_within_share"] < result.numbers["small_bound"]
     # Publishing the true values instead: every small count is exact, and the test says so.
-    leaked = adversary(config, stream_reconstruction(config, truth), truth)
+    leaked = adversary(config, config.reconstruction(truth), truth)
     assert leaked.numbers["small_within_share_naive"] == 1
     assert not leaked.passed and leaked.numbers["p_value"] < 1e-6, leaked.numbers
 

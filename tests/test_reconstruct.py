@@ -7,14 +7,10 @@ import pytest
 from scipy import stats
 
 from service.core.mechanisms.decoy import DecoyGroups
+from service.core.mechanisms.decoy_reconstruction import DecoyReconstruction
 from service.core.mixing import transition_model
 from service.core.prf import ServiceKey, random_ids
-from service.core.reconstruct import (
-    DecoyReconstruction,
-    PublishedCells,
-    Query,
-    QueryError,
-)
+from service.core.reconstruct import PublishedCells, Query, QueryError
 from service.core.table import Table, write_table
 from tests.conftest import synthetic_table
 

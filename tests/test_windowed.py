@@ -35,8 +35,8 @@ from service.core.config import (
     parse_config,
 )
 from service.core.ingest import RawMessage
+from service.core.mechanisms.registry import MECHANISMS as REGISTRY
 from service.core.prf import ServiceKey
-from service.core.publication import DEFAULTS, EXTRA_COLUMN
 from service.core.windows import KIND, WindowPreparer, decode_staged, render_window
 from service.store.lifecycle import Lifecycle
 from service.store.windowed import WindowBuffer, encode_staged
@@ -83,7 +83,7 @@ def test_the_example_loads_with_the_cli_defaults():
     for mechanism in MECHANISMS:
         settings = windowed_config(mechanism=mechanism).windowed
         assert settings is not None
-        assert settings.options == DEFAULTS[mechanism]
+        assert settings.options == REGISTRY[mechanism].defaults
         assert settings.min_window == 100  # a tenth of the default window
     sdr = windowed_config(mechanism="sdr", rho1="1/13", rho2=0.25, delta=0.1).windowed
     assert sdr is not None
@@ -184,7 +184,7 @@ def test_a_window_renders_byte_identically_from_the_same_records_and_key(mechani
     # Published fields: the schema's (QIT: public only) and the mechanism's label.
     names = config.schema.names
     public = [a.name for a in config.schema.public]
-    extra = EXTRA_COLUMN.get(mechanism)
+    extra = REGISTRY[mechanism].extra_column
     expected = {
         "sdr": [*names, "subtable"], "anatomy": [*public, "group"],
         "fprivacy": [*public, "bucket"], "dbr": names, "global": names,
@@ -359,7 +359,7 @@ def windowed_harness(servers, directory: Path, mechanism: str) -> Harness:
 def expected_fields(config: StreamConfig, mechanism: str) -> list[str]:
     names = config.schema.names
     public = [a.name for a in config.schema.public]
-    extra = EXTRA_COLUMN.get(mechanism)
+    extra = REGISTRY[mechanism].extra_column
     if mechanism in ("anatomy", "fprivacy"):
         return [*public, extra]
     return [*names, extra] if extra else names
@@ -534,7 +534,7 @@ def recompute_every_window(
     """Group published rows by their "<partition>-<window>-<i>" label, rebuild each window
     from the raw input and the key, and compare every message byte for byte."""
     assert config.windowed is not None
-    extra = EXTRA_COLUMN[config.windowed.mechanism]
+    extra = REGISTRY[config.windowed.mechanism].extra_column
     source = {json.loads(value)["row"]: (k, value) for k, value in rows}
     members: dict[tuple[int, int], list[str]] = defaultdict(list)
     published: dict[tuple[int, int], list[bytes]] = defaultdict(list)

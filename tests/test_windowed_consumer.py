@@ -37,9 +37,9 @@ from test_windowed import rows_of, window_records, windowed_config
 from service.cli import client
 from service.cli.batch import main
 from service.core.config import StreamConfig, load_config
+from service.core.mechanisms.registry import MECHANISMS
 from service.core.prf import ServiceKey
 from service.core.privacy_tests import guarantee_curve, windowed_tests
-from service.core.publication import EXTRA_COLUMN
 from service.core.published import PublishedRecordError, PublishedWindows, WindowCodec
 from service.core.reconstruct import Query
 from service.core.schema import Schema
@@ -352,7 +352,7 @@ def same_as_splu_query(windows: PublishedWindows, directory: Path) -> None:
 @pytest.mark.parametrize("mechanism", ["sdr", "anatomy", "fprivacy"])
 def test_a_unit_enters_the_estimates_once_counted_whole(tmp_path, mechanism):
     config, rows, side = one_window(mechanism)
-    unit = EXTRA_COLUMN[mechanism]
+    unit = MECHANISMS[mechanism].extra_column
     whole = PublishedWindows.from_messages(config.schema, config.windowed, [*rows, *side])
     assert (whole.held, whole.rows, whole.side) == (0, len(rows), len(side))
     members = Counter(json.loads(row)[unit] for row in rows)

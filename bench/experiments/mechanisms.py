@@ -38,6 +38,7 @@ from bench.experiments.workload import INCOME, OCCUPATION, Pool
 from service.core.mechanisms.anatomy import Anatomy, AnatomyReconstruction
 from service.core.mechanisms.dbr import DBRReconstruction, DistributionBasedRandomization
 from service.core.mechanisms.decoy import DecoyGroups
+from service.core.mechanisms.decoy_reconstruction import DecoyReconstruction
 from service.core.mechanisms.fprivacy import FPrivacyBucketization, FPrivacyReconstruction
 from service.core.mechanisms.global_randomization import (
     GlobalRandomization,
@@ -45,6 +46,7 @@ from service.core.mechanisms.global_randomization import (
 )
 from service.core.mechanisms.laplace import LaplaceCounts
 from service.core.mechanisms.personal import PersonalGroups
+from service.core.mechanisms.personal_reconstruction import PersonalReconstruction
 from service.core.mechanisms.sdr import (
     SDRReconstruction,
     SmallDomainRandomization,
@@ -52,7 +54,7 @@ from service.core.mechanisms.sdr import (
 )
 from service.core.merge import ValueMap
 from service.core.prf import ServiceKey
-from service.core.reconstruct import DecoyReconstruction, PersonalReconstruction, PublishedCells
+from service.core.reconstruct import PublishedCells
 from service.core.table import Table
 
 DEFAULT_GAMMA = 5

@@ -129,22 +129,33 @@ import math
 import os
 import stat
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from service.core.guarantees import check_reconstruction_parameters, trial_limit
-from service.core.mechanisms.fprivacy import METHODS as BUCKET_METHODS
 from service.core.mechanisms.personal import STREAM_BUDGETS
+from service.core.mechanisms.registry import (
+    BATCH_ONLY,
+    MECHANISMS,
+    STREAM_MECHANISMS,
+    TESTS,
+    Evidence,
+    MechanismSpec,
+    checked_settings,
+)
 from service.core.merge import ValueMap
 from service.core.prf import KEY_BYTES, ServiceKey
-from service.core.publication import COUNT_COLUMN, DEFAULTS, EXTRA_COLUMN, MECHANISM_OPTIONS
+from service.core.publication import PublicationError, configured
+from service.core.publishers import COUNT_COLUMN
+from service.core.reconstruct import PublishedCells, Reconstruction
 from service.core.schema import Schema, SchemaError, read_toml
 
-MECHANISMS = ("decoy", "personal", "windowed")
-# The batch mechanisms a windowed stream runs on each window (`service/store/windowed.py`).
-WINDOWED_MECHANISMS = ("sdr", "fprivacy", "anatomy", "dbr", "global")
+# A stream runs a stream mechanism, or a batch-only one on each of its windows
+# (`service/store/windowed.py`).
+WINDOWED = "windowed"
+STREAM_KINDS = (*STREAM_MECHANISMS, WINDOWED)
 # [redis] options naming TLS files, and the redis-py argument each becomes.
 TLS_FILES = {"ca_file": "ssl_ca_certs", "cert_file": "ssl_certfile", "key_file": "ssl_keyfile"}
 # [kafka] settings and the environment variable that overrides each (`KafkaSettings`).
@@ -200,7 +211,7 @@ class WindowedSettings:
     """A batch mechanism run on windows of the stream (`service/store/windowed.py`).
 
     `options` holds the mechanism's options under the names of `splu publish`
-    (`service.core.publication.MECHANISM_OPTIONS`), checked, with its defaults filled in; ρ, θ and
+    (`service.core.mechanisms.registry`), checked, with its defaults filled in; ρ, θ and
     β as exact Fractions.
     """
 
@@ -211,11 +222,6 @@ class WindowedSettings:
     options: Mapping[str, Any]
 
 
-TESTS = ("eligibility", "guarantees", "budget", "adversary", "dp_audit")
-# The tests whose failure pauses publishing unless the config says otherwise: those that
-# catch a leak as it happens (small counts reconstructible, a group over its trials). A
-# windowed stream's tests read published data only and never fail closed.
-FAIL_CLOSED = {"decoy": ("adversary",), "personal": ("budget", "adversary"), "windowed": ()}
 # Raw records per batch at most: one ingest call's arguments stay well below the size
 # (1 MB) from which a server's command log would keep them.
 MAX_BATCH_SIZE = 5000
@@ -329,9 +335,35 @@ class StreamConfig:
         return [a.name for a in self.schema.sensitive]
 
     @property
+    def spec(self) -> MechanismSpec:
+        """The registry's entry of the mechanism that publishes: the stream's own, or the
+        one a windowed stream runs on each window."""
+        return MECHANISMS[self.windowed.mechanism if self.windowed else self.mechanism]
+
+    def options(self) -> dict[str, Any]:
+        """The publishing mechanism's options under the registry's names, with the
+        defaults and what a stream's publication implies filled in."""
+        if self.windowed is not None:
+            return dict(self.windowed.options)
+        chosen = self.decoy if self.decoy is not None else self.personal
+        assert chosen is not None, "a stream has one of the three kinds of settings"
+        given = {f.name: getattr(chosen, f.name) for f in fields(chosen)}
+        return {**self.spec.defaults, **given, **self.spec.stream_options}
+
+    def reconstruction(self, cells: PublishedCells, confidence: float = 0.95) -> Reconstruction:
+        """The reconstruction of a decoy or personal stream's publication, as its consumer
+        builds it and `splu query --config` answers from the stream's published records."""
+        spec = self.spec
+        assert spec.stream and spec.reconstruct is not None, "a windowed stream: WindowTally"
+        domains = {a.name: a.domain for a in self.schema.sensitive}
+        evidence = Evidence(self.options(), self.sensitive, cells, domains, confidence)
+        return cast(Reconstruction, spec.reconstruct(evidence))
+
+    @property
     def min_mixing(self) -> int:
         """The fewest records any take may be drawn from: 10 groups (decoy: of γ)."""
-        return MIN_MIXING_GROUPS * (self.decoy.gamma if self.decoy is not None else 1)
+        size = self.spec.group_size
+        return MIN_MIXING_GROUPS * (self.options()[size] if size is not None else 1)
 
     @property
     def topic_partitions(self) -> dict[str, int]:
@@ -506,12 +538,13 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
     # Kafka topic names: ASCII letters, digits, '-', '_', '.', at most 249 with the suffix.
     if not name.isascii() or len(name) > 200 or not all(c.isalnum() or c in "-_." for c in name):
         raise stream.fail("name", f"may hold letters, digits, '-', '_' and '.', got {name!r}")
-    mechanism = stream.text("mechanism", choices=MECHANISMS)
+    mechanism = stream.text("mechanism", choices=STREAM_KINDS)
     topics_table = stream.get("topics", {})
     if not isinstance(topics_table, Mapping):
         raise stream.fail("topics", "must be a table")
     topics_reader = _Reader(source, topics_table, "stream.topics")
-    roles = TOPIC_ROLES + (GROUPED_ROLE,) * (mechanism == "personal")
+    grouped = mechanism in MECHANISMS and MECHANISMS[mechanism].grouped_topic
+    roles = TOPIC_ROLES + (GROUPED_ROLE,) * grouped
     topics = {role: topics_reader.text(role, f"{name}.{role}") for role in roles}
     topics_reader.finish()
     if len(set(topics.values())) != len(topics):
@@ -583,16 +616,14 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
     except SchemaError as err:
         raise ConfigError(str(err)) from None
 
-    decoy = personal = windowed = None
-    for other in MECHANISMS:
+    for other in STREAM_KINDS:
         if other != mechanism and other in document:
             raise ConfigError(f"{source}: [{other}] is set but stream.mechanism is {mechanism!r}")
-    if mechanism == "decoy":
-        decoy = _decoy_settings(source, document, schema)
-    elif mechanism == "windowed":
-        windowed = _windowed_settings(source, document, schema)
-    else:
-        personal = _personal_settings(source, document, schema, base)
+    # Each kind's settings sit in the table of its name.
+    chosen = _SETTINGS_READERS[mechanism](source, mechanism, document, schema, base)
+    decoy = chosen if isinstance(chosen, DecoySettings) else None
+    personal = chosen if isinstance(chosen, PersonalSettings) else None
+    windowed = chosen if isinstance(chosen, WindowedSettings) else None
 
     reports = _report_settings(source, document, mechanism, schema)
     if reports.truth_retention < 2 * settings["report_interval"]:
@@ -732,7 +763,13 @@ def _report_settings(
     dp_epsilon = table.get("dp_epsilon")
     if dp_epsilon is not None:
         dp_epsilon = table.number("dp_epsilon")
-    fail_closed = table.get("fail_closed", list(FAIL_CLOSED[mechanism]))
+    # The tests whose failure pauses publishing unless the config says otherwise: those
+    # that catch a leak as it happens (small counts reconstructible, a group over its
+    # trials). A windowed stream's tests read published data only and never fail closed;
+    # the privacy tests that fail closed are written for decoy and personal groups.
+    spec = MECHANISMS.get(mechanism)
+    default = spec.fail_closed if spec is not None else ()
+    fail_closed = table.get("fail_closed", list(default))
     if not isinstance(fail_closed, list) or not all(t in TESTS for t in fail_closed):
         raise table.fail("fail_closed", f"must be a list of test names from {', '.join(TESTS)}")
     queries = table.get("queries", [])
@@ -756,22 +793,19 @@ def _report_settings(
         queries=tuple(queries),
     )
     table.finish()
-    inapplicable = {
-        "decoy": ("budget",),
-        "personal": ("eligibility", "guarantees"),
-        # The privacy tests that fail closed are written for decoy and personal groups.
-        "windowed": TESTS,
-    }
+    never_runs = spec.never_runs if spec is not None else TESTS
     for test in settings.fail_closed:
-        if test in inapplicable[mechanism]:
+        if test in never_runs:
             raise table.fail(
                 "fail_closed", f"names {test!r}, which a {mechanism} stream never runs"
             )
     return settings
 
 
-def _decoy_settings(source: str, document: Mapping[str, Any], schema: Schema) -> DecoySettings:
-    table = _table(source, document, "decoy", required=False) or _Reader(source, {}, "decoy")
+def _decoy_settings(
+    source: str, name: str, document: Mapping[str, Any], schema: Schema, base: Path
+) -> DecoySettings:
+    table = _table(source, document, name, required=False) or _Reader(source, {}, name)
     gamma = table.integer("gamma", 5, minimum=2)
     # Anatomy's rule is a batch comparison (`splu publish --grouping anatomy`); streams cut
     # with the size-weighted rule only.
@@ -786,24 +820,13 @@ def _decoy_settings(source: str, document: Mapping[str, Any], schema: Schema) ->
     return DecoySettings(gamma, grouping)
 
 
-def _exact(table: _Reader, key: str, default: Fraction) -> Fraction:
-    """An exact number: a TOML number (read as the decimal it prints as: 0.02 is 1/50) or a
-    ratio written as a string ("1/13")."""
-    value = table.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float | str | Fraction):
-        raise table.fail(key, f'must be a number or a ratio like "1/13", got {value!r}')
-    try:
-        return Fraction(str(value).strip())
-    except (ValueError, ZeroDivisionError):
-        raise table.fail(key, f'must be a number or a ratio like "1/13", got {value!r}') from None
-
-
 def _windowed_settings(
-    source: str, document: Mapping[str, Any], schema: Schema
+    source: str, name: str, document: Mapping[str, Any], schema: Schema, base: Path
 ) -> WindowedSettings:
-    table = _table(source, document, "windowed", required=True)
+    table = _table(source, document, name, required=True)
     assert table is not None
-    mechanism = table.text("mechanism", choices=WINDOWED_MECHANISMS)
+    mechanism = table.text("mechanism", choices=BATCH_ONLY)
+    spec = MECHANISMS[mechanism]
     window = table.integer("window", 1000)
     max_window_wait = table.number("max_window_wait", 60.0)
     min_window = table.integer("min_window", -(-window // 10))
@@ -811,71 +834,40 @@ def _windowed_settings(
         raise table.fail(
             "min_window", f"must be at most windowed.window = {window}, got {min_window}"
         )
-    chosen = MECHANISM_OPTIONS[mechanism]
-    for option in WINDOWED_MECHANISMS:
-        for other in MECHANISM_OPTIONS[option]:
-            if other not in chosen and other in table.table:
-                owners = [m for m in WINDOWED_MECHANISMS if other in MECHANISM_OPTIONS[m]]
-                raise table.fail(
-                    other, f"applies to mechanism {' or '.join(owners)}, not {mechanism}"
-                )
-    defaults = DEFAULTS[mechanism]
+    for option in dict.fromkeys(o for other in BATCH_ONLY for o in MECHANISMS[other].options):
+        if option not in spec.options and option in table.table:
+            owners = [m for m in BATCH_ONLY if option in MECHANISMS[m].options]
+            raise table.fail(option, f"applies to mechanism {' or '.join(owners)}, not {mechanism}")
     options: dict[str, Any] = {}
-    if "gamma" in chosen:
-        options["gamma"] = table.integer("gamma", defaults["gamma"], minimum=2)
-    if mechanism == "sdr":
-        for option in ("rho1", "rho2"):
-            options[option] = _exact(table, option, defaults[option])
-            if not 0 < options[option] < 1:
-                raise table.fail(option, f"must lie in (0, 1), got {options[option]}")
-        if not options["rho1"] < options["rho2"]:
-            raise table.fail(
-                "rho1", f"({options['rho1']}) must be below windowed.rho2 ({options['rho2']})"
-            )
-        options["delta"] = table.number("delta", defaults["delta"])
-        if not options["delta"] < 1:
-            raise table.fail("delta", f"must lie in (0, 1), got {options['delta']}")
-    elif mechanism == "fprivacy":
-        options["theta"] = _exact(table, "theta", defaults["theta"])
-        if not options["theta"] > 0:
-            raise table.fail("theta", f"must be positive, got {options['theta']}")
-        options["beta"] = _exact(table, "beta", defaults["beta"])
-        if not 0 <= options["beta"] <= 1:
-            raise table.fail("beta", f"must lie in [0, 1], got {options['beta']}")
-        options["max_size"] = table.integer("max_size", defaults["max_size"])
-        options["min_size"] = table.integer("min_size", defaults["min_size"])
-        if options["min_size"] > options["max_size"]:
-            raise table.fail(
-                "min_size",
-                f"must lie in 1..{options['max_size']} (windowed.max_size), "
-                f"got {options['min_size']}",
-            )
-        options["bucket_method"] = table.text(
-            "bucket_method", defaults["bucket_method"], choices=BUCKET_METHODS
-        )
-        options["fake_values"] = table.integer("fake_values", defaults["fake_values"], minimum=0)
+    for option, default in spec.defaults.items():
+        # Exact numbers may be written as ratios ("1/13"); the registry reads them.
+        if isinstance(default, bool | Fraction):
+            options[option] = table.get(option, default)
+        elif isinstance(default, int):
+            options[option] = table.integer(option, default, minimum=0)
+        elif isinstance(default, float):
+            options[option] = table.number(option, default)
+        else:
+            options[option] = table.text(option, default)
     table.finish()
-    if mechanism != "dbr" and len(schema.sensitive) != 1:
+    try:
+        options = checked_settings(mechanism, options)
+    except PublicationError as err:
+        raise ConfigError(f"{source}: {configured(str(err), name)}") from None
+    if spec.sensitive_columns is not None and len(schema.sensitive) != spec.sensitive_columns:
         raise ConfigError(
             f"{source}: windowed.mechanism = {mechanism!r} protects exactly one sensitive "
             f"attribute; the schema has {len(schema.sensitive)}"
         )
-    m = schema.sensitive[0].size
-    if mechanism == "anatomy" and m < options["gamma"]:
-        raise ConfigError(
-            f"{source}: windowed.gamma = {options['gamma']} needs {options['gamma']} values of "
-            f"{schema.sensitive[0].name!r}, which has {m}"
-        )
-    if mechanism == "global" and m <= options["gamma"]:
-        raise ConfigError(
-            f"{source}: windowed.gamma = {options['gamma']}: global randomization needs more "
-            f"than γ values of {schema.sensitive[0].name!r}, which has {m}"
-        )
+    if spec.check_domain is not None:
+        problem = spec.check_domain(options, schema.sensitive[0])
+        if problem is not None:
+            raise ConfigError(f"{source}: {configured(problem, name)}")
     # Names the published messages use themselves (`service/store/windowed.py`).
     reserved = set()
-    if mechanism in EXTRA_COLUMN:
-        reserved = {EXTRA_COLUMN[mechanism], "kind"}
-        if mechanism != "sdr":
+    if spec.extra_column is not None:
+        reserved = {spec.extra_column, "kind"}
+        if spec.bucketed:
             reserved.add(COUNT_COLUMN)
     for attribute in schema.attributes:
         if attribute.name in reserved:
@@ -887,9 +879,9 @@ def _windowed_settings(
 
 
 def _personal_settings(
-    source: str, document: Mapping[str, Any], schema: Schema, base: Path
+    source: str, name: str, document: Mapping[str, Any], schema: Schema, base: Path
 ) -> PersonalSettings:
-    table = _table(source, document, "personal", required=True)
+    table = _table(source, document, name, required=True)
     assert table is not None
     if len(schema.sensitive) != 1:
         raise ConfigError(
@@ -957,3 +949,11 @@ def _check_standing_query(
                     raise table.fail(
                         "queries", f"#{number}: {part}.{column} = {option!r} is not in its domain"
                     )
+
+
+# Each kind of stream reads its settings from the table of its name.
+_SETTINGS_READERS = {
+    "decoy": _decoy_settings,
+    "personal": _personal_settings,
+    WINDOWED: _windowed_settings,
+}

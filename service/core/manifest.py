@@ -29,21 +29,16 @@ import hashlib
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from fractions import Fraction
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
-from service.core.config import StreamConfig, WindowedSettings
+from service.core.config import WINDOWED, StreamConfig, WindowedSettings
+from service.core.mechanisms.registry import MECHANISMS, Evidence, checked_settings
 from service.core.merge import ValueMap
-from service.core.publication import Answers, PublicationError, answer_queries, checked_settings
+from service.core.publication import PublicationError, shown_option, spelled
 from service.core.published import PublishedRecordError, PublishedWindows, WindowCodec
-from service.core.reconstruct import (
-    DecoyReconstruction,
-    PersonalReconstruction,
-    PublishedCells,
-    Reconstruction,
-)
+from service.core.reconstruct import Answers, PublishedCells, Reconstruction, answer_queries
 from service.core.schema import Attribute, Schema, SchemaError
 
 # The manifest's layout; a reader refuses layouts it does not know.
@@ -81,23 +76,12 @@ def _attributes(attributes: Iterable[Attribute]) -> list[dict[str, Any]]:
     return out
 
 
-def _option(value: Any) -> Any:
-    # ρ, θ and β are exact ratios in the config; "1/13" survives JSON, a float would not.
-    return str(value) if isinstance(value, Fraction) else value
-
-
 def _parameters(config: StreamConfig) -> dict[str, Any]:
-    if config.decoy is not None:
-        return {"gamma": config.decoy.gamma, "grouping": config.decoy.grouping}
-    if config.personal is not None:
-        settings = config.personal
-        return {
-            "retention": settings.retention, "lambda": settings.lam, "delta": settings.delta,
-            "budget": settings.budget,
-        }  # fmt: skip
-    assert config.windowed is not None, "a stream has one of the three mechanisms"
-    options = {name: _option(v) for name, v in config.windowed.options.items()}
-    return {"mechanism": config.windowed.mechanism, "options": options}
+    if config.windowed is not None:
+        options = {name: shown_option(v) for name, v in config.windowed.options.items()}
+        return {"mechanism": config.windowed.mechanism, "options": options}
+    options = config.options()
+    return {spelled(option): options[option] for option in config.spec.manifest}
 
 
 def _merge_map(config: StreamConfig) -> dict[str, Any] | None:
@@ -197,7 +181,7 @@ class Manifest:
         """A windowed stream's mechanism and options (None for decoy and personal streams).
         Its window sizes and waits are operational, so not in the manifest: reading does
         not use them, and they are 0 here."""
-        if self.mechanism != "windowed":
+        if self.mechanism != WINDOWED:
             return None
         mechanism = self.parameters["mechanism"]
         try:
@@ -229,32 +213,30 @@ class Manifest:
     def reconstruction(self, cells: PublishedCells, confidence: float = 0.95) -> Reconstruction:
         """The reconstruction the stream's consumer builds over the same cells (decoy and
         personal streams; a windowed one's is `WindowTally.estimator`)."""
-        sensitive = [entry["name"] for entry in self.document["schema"]["sensitive"]]
-        parameters = self.parameters
-        if self.mechanism == "decoy":
-            return DecoyReconstruction(
-                cells, parameters["gamma"], sensitive, confidence=confidence,
-                grouping=parameters["grouping"],
-            )  # fmt: skip
-        if self.mechanism == "personal":
-            schema = self.schema()
-            attribute = schema.sensitive[0]
-            merge = self.document["merge_map"]
+        spec = MECHANISMS.get(self.mechanism)
+        if spec is None or spec.reconstruct is None:
+            raise ManifestError(
+                f"stream {self.document['stream']!r} runs {self.parameters['mechanism']} on "
+                "windows: its answers need its side messages too (`WindowTally`)"
+            )
+        given = {option: self.parameters[spelled(option)] for option in spec.manifest}
+        options = {**spec.defaults, **given, **spec.stream_options}
+        sensitive = self.schema().sensitive
+        merge = self.document["merge_map"]
+        if merge is not None:
             classes = {
                 name: tuple(tuple(members) for members in groups)
                 for name, groups in merge["classes"].items()
             }
-            value_map = ValueMap(attribute.name, attribute.domain, merge["alpha"], classes)
-            return PersonalReconstruction(
-                cells, attribute.name, parameters["retention"], attribute.size,
-                lam=parameters["lambda"], delta=parameters["delta"],
-                budget=parameters["budget"], value_map=value_map, confidence=confidence,
-                stream=True,
-            )  # fmt: skip
-        raise ManifestError(
-            f"stream {self.document['stream']!r} runs {self.parameters['mechanism']} on "
-            "windows: its answers need its side messages too (`WindowTally`)"
-        )
+            attribute = sensitive[0]
+            options["value_map"] = ValueMap(
+                attribute.name, attribute.domain, merge["alpha"], classes
+            )
+        evidence = Evidence(
+            options, [a.name for a in sensitive], cells, {a.name: a.domain for a in sensitive},
+            confidence,
+        )  # fmt: skip
+        return cast(Reconstruction, spec.reconstruct(evidence))
 
 
 def _flat(value: Any, path: str = "") -> dict[str, Any]:

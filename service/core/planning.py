@@ -32,12 +32,15 @@ from service.core.guarantees import privacy_threshold, utility_threshold
 from service.core.mechanisms.anatomy import Anatomy, AnatomyReconstruction
 from service.core.mechanisms.dbr import DBRReconstruction, DistributionBasedRandomization
 from service.core.mechanisms.decoy import DecoyGroups
+from service.core.mechanisms.decoy_reconstruction import DecoyReconstruction
 from service.core.mechanisms.fprivacy import FPrivacyBucketization, FPrivacyReconstruction
 from service.core.mechanisms.global_randomization import (
     GlobalRandomization,
     GlobalRandomizationReconstruction,
 )
 from service.core.mechanisms.personal import PersonalGroups
+from service.core.mechanisms.personal_reconstruction import PersonalReconstruction
+from service.core.mechanisms.registry import MECHANISMS
 from service.core.mechanisms.sdr import (
     SDRReconstruction,
     SmallDomainRandomization,
@@ -46,13 +49,7 @@ from service.core.mechanisms.sdr import (
 from service.core.merge import ValueMap
 from service.core.mixing import transition_model
 from service.core.prf import ServiceKey
-from service.core.publication import DEFAULTS, Answers
-from service.core.reconstruct import (
-    DecoyReconstruction,
-    PersonalReconstruction,
-    PublishedCells,
-    Query,
-)
+from service.core.reconstruct import Answers, PublishedCells, Query
 from service.core.table import Table
 
 LARGE_SHARE = 0.01
@@ -353,7 +350,7 @@ def _sdr(table: Table, sensitive: str, gamma: int, key: ServiceKey, ids: np.ndar
 
 
 def _fprivacy(table: Table, sensitive: str, key: ServiceKey, ids: np.ndarray) -> Published:
-    defaults = DEFAULTS["fprivacy"]
+    defaults = MECHANISMS["fprivacy"].defaults
     theta, beta = defaults["theta"], defaults["beta"]
     release = FPrivacyBucketization(theta, beta, max_size=defaults["max_size"]).publish(
         table, ids, key
@@ -381,21 +378,6 @@ WITHOUT_GAMMA: dict[str, Callable[[Table, str, ServiceKey, np.ndarray], Publishe
 BASELINES = (*WITH_GAMMA, *WITHOUT_GAMMA)
 
 
-BASELINE_GUARANTEES = {
-    "anatomy": "ℓ-diversity: each QI-group holds ℓ distinct values, so a value is linked to a "
-    "record with probability at most 1/ℓ",
-    "global": "a record keeps its value with probability p = 1/γ (decoy groups' retention) "
-    "and publishes each other value with q; one record's change moves the likelihood by "
-    "p/q = (m − 1)/(γ − 1)",
-    "sdr": "restricted (ρ1, ρ2)-privacy: a value of prior share at most ρ1 has a posterior "
-    "at most ρ2",
-    "fprivacy": "F′-privacy: each value's share in a bucket stays below its threshold "
-    "f′ = min{1, θ·f + β}",
-    "dbr": "every value is redrawn from the column's distribution: nothing of a record's own "
-    "value is published, and conjunctive counts carry no signal",
-}
-
-
 def plan_baseline(
     mechanism: str,
     table: Table,
@@ -416,7 +398,7 @@ def plan_baseline(
         else:
             answers, parameters = WITH_GAMMA[mechanism](table, sensitive, gamma, key, ids)
         errors.add(answers, pool)
-    guarantees = {"statement": BASELINE_GUARANTEES[mechanism]}
+    guarantees = {"statement": MECHANISMS[mechanism].guarantee}
     return Setting(mechanism, parameters, guarantees, errors.summary(), missing_bands(pool))
 
 

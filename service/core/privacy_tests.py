@@ -290,14 +290,6 @@ _WINDOWED_REASONS = {
     "adversary": _NO_TRUTH,
     "dp_audit": _NO_TRUTH,
 }
-_GUARANTEE_REASONS = {
-    "fprivacy": "each bucket's bound f′ = min(1, θ·f + β) depends on the window's true "
-    "frequencies f, which are not published; the worker bucketizes to meet them",
-    "dbr": "DBR has no privacy parameter: every published value is drawn from the column's "
-    "distribution, whatever the record held",
-    "global": "its guarantee, the keep/switch ratio, is fixed by windowed.gamma; nothing "
-    "published can change it",
-}
 
 
 def windowed_tests(
@@ -306,19 +298,16 @@ def windowed_tests(
     """The tests a windowed stream's publication can be checked with (once something is
     counted), and the others with the reason they do not apply."""
     assert config.windowed is not None
-    mechanism = config.windowed.mechanism
+    mechanism, spec = config.windowed.mechanism, config.spec
     reasons = dict(_WINDOWED_REASONS)
     if config.reports.dp_epsilon is None:
         del reasons["dp_audit"]
-    if mechanism in _GUARANTEE_REASONS:
-        reasons = {"guarantees": _GUARANTEE_REASONS[mechanism], **reasons}
+    if spec.unchecked_guarantee is not None:
+        reasons = {"guarantees": spec.unchecked_guarantee, **reasons}
     skipped = [NotApplicable(t, f"not applicable to {mechanism}: {r}") for t, r in reasons.items()]
     results = []
     if windows is not None and windows.units:
-        if mechanism == "sdr":
-            results.append(posterior_bound(windows))
-        elif mechanism == "anatomy":
-            results.append(diversity(windows))
+        results += [WINDOW_TESTS[test](windows) for test in spec.window_tests]
     return results, skipped
 
 
@@ -394,3 +383,7 @@ def guarantee_curve(config: StreamConfig) -> dict:
         "x": x.tolist(),
         "y": trial_limit(x, personal.retention, m, personal.lam, personal.delta).tolist(),
     }
+
+
+# The tests of a windowed mechanism's publication, as the registry names them.
+WINDOW_TESTS = {"posterior_bound": posterior_bound, "diversity": diversity}

@@ -21,20 +21,19 @@ import json
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
 
 import numpy as np
 
+from service.core.batch_files import write_batch
 from service.core.config import WindowedSettings
-from service.core.mechanisms.anatomy import AnatomyReconstruction, AnatomyRelease
-from service.core.mechanisms.dbr import DBRReconstruction
-from service.core.mechanisms.fprivacy import BucketPublication, FPrivacyReconstruction
-from service.core.mechanisms.global_randomization import GlobalRandomizationReconstruction
-from service.core.mechanisms.sdr import SUBTABLE_COLUMN, SDRReconstruction, SubTable
-from service.core.publication import COUNT_COLUMN, EXTRA_COLUMN, Answers, Batch, write_batch
+from service.core.mechanisms.registry import MECHANISMS, Buckets, Evidence, MechanismSpec
+from service.core.mechanisms.sdr import SUBTABLE_COLUMN, SubTable
+from service.core.publishers import COUNT_COLUMN, Batch
 from service.core.reconstruct import (
+    Answers,
     PublishedCells,
 )
 from service.core.schema import Schema
@@ -100,12 +99,18 @@ class CellCodec:
         return PublishedCells(names, domains, cells, counts)
 
 
-# Windowed mechanisms whose rows are QIT rows (public values and a unit, no sensitive
-# value) and whose side messages are the ST, one per unit and value, with a count.
-BUCKETED = ("anatomy", "fprivacy")
 # A unit's label: "<raw partition>-<window>-<unit in the window>", unique in the stream.
 UNIT_LABEL = re.compile(r"(\d+)-(\d+)-(\d+)")
-SIDE_KIND = {"sdr": "subtable", "anatomy": "st", "fprivacy": "st"}
+
+
+def side_kind(spec: MechanismSpec) -> str | None:
+    """The kind of a windowed mechanism's side messages (`service.core.windows`): a
+    bucketing mechanism's rows are QIT rows (public values and a unit, no sensitive value)
+    and its side messages the ST, one per unit and value, with a count; SDR's are its
+    sub-tables."""
+    if spec.bucketed:
+        return "st"
+    return "subtable" if spec.extra_column == SUBTABLE_COLUMN else None
 
 
 def _unit_order(label: str) -> tuple[int, ...]:
@@ -123,12 +128,12 @@ class WindowCodec:
     """
 
     def __init__(self, schema: Schema, settings: WindowedSettings) -> None:
-        mechanism = settings.mechanism
-        self.mechanism = mechanism
-        self.unit = EXTRA_COLUMN.get(mechanism)
+        self.mechanism = settings.mechanism
+        self.spec = MECHANISMS[settings.mechanism]
+        self.unit = self.spec.extra_column
         codes = {a.name: {label: i for i, label in enumerate(a.domain)} for a in schema.attributes}
         self._public = [(a.name, codes[a.name]) for a in schema.public]
-        shown = [] if mechanism in BUCKETED else schema.sensitive
+        shown = [] if self.spec.bucketed else schema.sensitive
         self._sensitive = [(a.name, codes[a.name]) for a in shown]
         self._fields = {n for n, _ in self._public + self._sensitive} | (
             {self.unit} if self.unit is not None else set()
@@ -168,7 +173,7 @@ class WindowCodec:
         return unit
 
     def _check_side(self, record: dict[str, Any]) -> None:
-        kind = SIDE_KIND.get(self.mechanism)
+        kind = side_kind(self.spec)
         if record[KIND] != kind or self.unit is None:
             raise PublishedRecordError(
                 f"a side message of kind {record[KIND]!r} on a windowed {self.mechanism} stream"
@@ -246,12 +251,13 @@ class PublishedWindows:
         cls, schema: Schema, settings: WindowedSettings, tally: Mapping[bytes, int]
     ) -> PublishedWindows:
         """From the consumer's counts of `WindowCodec` cells."""
-        mechanism = settings.mechanism
+        spec = MECHANISMS[settings.mechanism]
+        subtabled = spec.extra_column == SUBTABLE_COLUMN
         # Each side message is distinct; a repeat under another token would be a window
         # published twice, whose rows then outnumber its side data and hold it out.
         side = [json.loads(key) for key in tally if key.startswith(b"{")]
         rows = [(key.split(b"|"), count) for key, count in tally.items() if key[:1] != b"{"]
-        unit_column = EXTRA_COLUMN.get(mechanism)
+        unit_column = spec.extra_column
         counted: Counter[str] = Counter()
         for (_, _, unit), count in rows:
             counted[unit.decode()] += count
@@ -259,14 +265,13 @@ class PublishedWindows:
             units: list[str] = []
             whole = {""}
         else:
-            size = "rows" if mechanism == "sdr" else COUNT_COLUMN
+            size = "rows" if subtabled else COUNT_COLUMN
             declared: Counter[str] = Counter()
             for message in side:
                 declared[message[unit_column]] += message[size]
-            if mechanism == "fprivacy":
-                # Each bucket's ST lists σ fake values, with a count of 1 each.
-                sigma = settings.options["fake_values"]
-                declared = Counter({u: n - sigma for u, n in declared.items()})
+            # F′-privacy: each bucket's ST lists σ fake values, with a count of 1 each.
+            sigma = settings.options.get("fake_values", 0)
+            declared = Counter({u: n - sigma for u, n in declared.items()})
             units = sorted((u for u, n in declared.items() if counted[u] == n), key=_unit_order)
             whole = set(units)
         index = {label: i for i, label in enumerate(units)}
@@ -276,7 +281,7 @@ class PublishedWindows:
             lists = [p[position].split(b",") if p[position] else [] for p, _ in kept]
             return np.array(lists, dtype=np.int32).reshape(len(kept), width)
 
-        width = 0 if mechanism in BUCKETED else len(schema.sensitive)
+        width = 0 if spec.bucketed else len(schema.sensitive)
         name = schema.sensitive[0].name
         code_of = {label: i for i, label in enumerate(schema.sensitive[0].domain)}
         subtables, st = [], []
@@ -284,7 +289,7 @@ class PublishedWindows:
             position = index.get(message[unit_column]) if unit_column else None
             if position is None:
                 continue
-            if mechanism == "sdr":
+            if subtabled:
                 subtables.append(
                     (
                         position,
@@ -322,7 +327,7 @@ class PublishedWindows:
         names = [*public, *sensitive]
         columns = [*self.public.T, *self.sensitive.T]
         domains = {n: schema[n].domain for n in names}
-        unit_column = EXTRA_COLUMN.get(self.mechanism)
+        unit_column = MECHANISMS[self.mechanism].extra_column
         if unit_column is not None:
             names.append(unit_column)
             columns.append(self.unit)
@@ -336,39 +341,33 @@ class PublishedWindows:
     def estimator(self, confidence: float = 0.95) -> Answers:
         """The estimator `splu query` builds from `write`'s files (`load_batch`), with its
         defaults: the given confidence, no clipping."""
-        schema, mechanism, settings = self.schema, self.mechanism, self.settings
+        schema, spec = self.schema, MECHANISMS[self.mechanism]
         sensitive = schema.sensitive[0]
-        if mechanism in BUCKETED:
-            rows = np.repeat(np.arange(len(self.counts)), self.counts)
-            qit = {a.name: self.public[rows, i] for i, a in enumerate(schema.public)}
-            unit = self.unit[rows]
-            if mechanism == "anatomy":
-                release = AnatomyRelease(
-                    Schema((*schema.public, sensitive)), sensitive.name,
-                    int(settings.options["gamma"]), qit, unit, self.st_unit, self.st_value,
-                    self.st_count,
-                )  # fmt: skip
-                return AnatomyReconstruction(release)
-            published = BucketPublication(
-                tuple(schema.public), qit, unit, sensitive, self.st_unit, self.st_value,
-                self.st_count, int(settings.options["fake_values"]),
-            )  # fmt: skip
-            return FPrivacyReconstruction(published)
-        names, columns, domains = self._columns()
-        cells = PublishedCells(
-            names, domains, np.column_stack(columns).astype(np.int32), self.counts
-        )
-        if mechanism == "dbr":
-            return DBRReconstruction(cells, [a.name for a in schema.sensitive], confidence)
-        if mechanism == "global":
-            return GlobalRandomizationReconstruction(
-                cells, sensitive.name, int(settings.options["gamma"]), sensitive.size,
-                confidence, False,
-            )  # fmt: skip
-        return SDRReconstruction(
-            cells, sensitive.name, self.subtables, sensitive.domain, SUBTABLE_COLUMN,
-            confidence, False,
+        evidence = Evidence(
+            self.settings.options, [a.name for a in schema.sensitive],
+            domains={a.name: a.domain for a in schema.sensitive}, confidence=confidence,
+            clip=False, subtables=self.subtables,
         )  # fmt: skip
+        if spec.bucketed:
+            rows = np.repeat(np.arange(len(self.counts)), self.counts)
+            buckets = Buckets(
+                public=tuple(schema.public),
+                sensitive=sensitive,
+                qit={a.name: self.public[rows, i] for i, a in enumerate(schema.public)},
+                unit=self.unit[rows],
+                st_unit=self.st_unit,
+                st_value=self.st_value,
+                st_count=self.st_count,
+            )
+            evidence = replace(evidence, buckets=buckets)
+        else:
+            names, columns, domains = self._columns()
+            cells = PublishedCells(
+                names, domains, np.column_stack(columns).astype(np.int32), self.counts
+            )
+            evidence = replace(evidence, cells=cells)
+        assert spec.reconstruct is not None
+        return spec.reconstruct(evidence)
 
     def write(self, output: str) -> list[str]:
         """The whole units as one batch publication, the files `splu publish --mechanism
@@ -377,20 +376,22 @@ class PublishedWindows:
         schema, settings = self.schema, self.settings
         names, columns, domains = self._columns()
         rows = np.repeat(np.arange(len(self.counts)), self.counts)
-        unit_column = EXTRA_COLUMN.get(self.mechanism)
+        spec = MECHANISMS[self.mechanism]
+        unit_column = spec.extra_column
         labels = [
             column[rows] if name == unit_column else np.asarray(domains[name], object)[column[rows]]
             for name, column in zip(names, columns, strict=True)
         ]
         batch = Batch(header=names, columns=labels)
         sensitive = schema.sensitive[0]
-        if self.mechanism in BUCKETED:
+        if spec.bucketed:
             assert unit_column is not None
             batch.st_header = [unit_column, sensitive.name, COUNT_COLUMN]
             values = np.asarray(sensitive.domain, dtype=object)[self.st_value]
             batch.st_columns = [self.st_unit, values, self.st_count]
-            batch.params = {"groups" if self.mechanism == "anatomy" else "buckets": len(self.units)}
-        elif self.mechanism == "sdr":
+            # What the publisher records: Anatomy's groups, F′-privacy's buckets.
+            batch.params = {f"{unit_column}s": len(self.units)}
+        elif unit_column == SUBTABLE_COLUMN:
             batch.params = {
                 "subtables": [
                     {

@@ -43,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,8 +51,10 @@ import numpy as np
 
 from service.core.config import WindowedSettings
 from service.core.ingest import AcceptedRows, PreparedBatch, Preparer
+from service.core.mechanisms.registry import MECHANISMS
+from service.core.mechanisms.sdr import SUBTABLE_COLUMN
 from service.core.prf import ServiceKey
-from service.core.publication import BATCH_PUBLISHERS, EXTRA_COLUMN
+from service.core.publication import configured
 from service.core.schema import Schema
 from service.core.table import Table
 
@@ -135,19 +136,17 @@ def render_window(
     try:
         # The publishers report on stderr; here that goes to the worker's log.
         with contextlib.redirect_stderr(captured):
-            batch = BATCH_PUBLISHERS[settings.mechanism](
+            batch = MECHANISMS[settings.mechanism].publish(
                 dict(settings.options), table, ids, window_key(key, partition, number)
             )
     except ValueError as err:
         # The publishers name the CLI's flags (--gamma); a worker's log names the configuration.
-        output.reason = re.sub(
-            r"--([a-z][a-z-]*)", lambda m: "windowed." + m[1].replace("-", "_"), str(err)
-        )
+        output.reason = configured(str(err), "windowed")
         return output
     finally:
         output.summary = captured.getvalue()
     prefix = f"{partition}-{number}-"
-    extra = EXTRA_COLUMN.get(settings.mechanism)
+    extra = MECHANISMS[settings.mechanism].extra_column
 
     def labelled(header: list[str], columns: list[np.ndarray]) -> list[list[Any]]:
         lists = [c.tolist() for c in columns]
@@ -169,7 +168,7 @@ def render_window(
         ]
     for i, subtable in enumerate(batch.params.get("subtables", ())):
         output.side.append(
-            message_json({KIND: "subtable", EXTRA_COLUMN["sdr"]: prefix + str(i), **subtable})
+            message_json({KIND: "subtable", SUBTABLE_COLUMN: prefix + str(i), **subtable})
         )
     return output
 

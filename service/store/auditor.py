@@ -42,7 +42,6 @@ from service.core.privacy_tests import (
     eligibility,
     guarantees,
 )
-from service.core.publication import stream_reconstruction
 from service.core.published import CellCodec
 from service.store.buffer import FINAL_POOL, BufferState
 from service.store.running_counts import RunningCounts
@@ -110,7 +109,7 @@ def run_tests(config: StreamConfig, inputs: AuditInputs) -> list[TestResult]:
     if truth.total:
         # Scored on the records acknowledged in the truth tally's retention period, as an
         # adversary holding exactly those published records would reconstruct them.
-        published = stream_reconstruction(config, codec.cells(inputs.shown))
+        published = config.reconstruction(codec.cells(inputs.shown))
         results.append(adversary(config, published, truth))
         if config.reports.dp_epsilon is not None and len(config.sensitive) == 1:
             results.append(dp_audit(config, truth))

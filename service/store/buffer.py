@@ -424,10 +424,8 @@ class StreamBuffer(BufferState):
         # Records in each partition's pool when this worker last stored or took there: how
         # many tokens a take will need (`take_tokens`).
         self._pooled: dict[int, int] = {}
-        # The bounded budget's share bound is personal.lua's only helper of its own.
-        helpers = ("bound",) if config.personal is not None else ()
         self._ingest = client.register_script(
-            lua_script("fingerprints", "uniforms", "ingest", *helpers, config.mechanism)
+            lua_script("fingerprints", "uniforms", "ingest", *config.spec.stream_scripts)
         )
         bounds = f"local DELAY_BOUNDS = {_lua_list(DELAY_BOUNDS_MS)}\n"
         self._take = client.register_script(bounds + lua_script("uniforms", "emit"))

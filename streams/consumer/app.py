@@ -50,9 +50,15 @@ from service.core.privacy_tests import (
     guarantee_curve,
     windowed_tests,
 )
-from service.core.publication import Answers, answer_queries, stream_reconstruction
 from service.core.published import CellCodec, PublishedRecordError, PublishedWindows
-from service.core.reconstruct import Estimate, Query, QueryError, Reconstruction
+from service.core.reconstruct import (
+    Answers,
+    Estimate,
+    Query,
+    QueryError,
+    Reconstruction,
+    answer_queries,
+)
 from service.store.buffer import BufferState
 from service.store.lifecycle import close_status
 from service.store.running_counts import RunningCounts
@@ -82,16 +88,6 @@ HISTORY = 600  # samples kept: 20 minutes
 # Published records per fetch: counting one is a Lua call and a commit, whatever its size.
 COUNT_FETCH = 10_000
 PAIR_SEPARATOR = re.compile(r",(?=[^,:]+:)")
-# How each windowed mechanism's estimates are made (`service.core.published.PublishedWindows`).
-WINDOWED_METHODS = {
-    "sdr": "SDR: Eq. 7 inverted in each sub-table, summed over the sub-tables of every "
-    "window; normal interval",
-    "anatomy": "Anatomy: Σ_g |P ∩ g|·c_g(s)/|g| over the QI-groups of every window; no interval",
-    "fprivacy": "F′-privacy: Σ_g |P ∩ g|·c_g(s)/|ST_g| over the buckets of every window; "
-    "[low, high] the counts consistent with them",
-    "dbr": "DBR: the published count; exact interval for a value's total",
-    "global": "global randomization: inverse-matrix MLE; normal interval",
-}
 
 
 def query_name(query: Query) -> str:
@@ -177,7 +173,7 @@ class Consumer:
             return (windows.estimator() if windows.rows else None), windows, windows.rows
         assert isinstance(self.counts.codec, CellCodec)
         cells = self.counts.codec.cells(tally)
-        reconstruction = stream_reconstruction(self.config, cells) if cells.total else None
+        reconstruction = self.config.reconstruction(cells) if cells.total else None
         return reconstruction, None, cells.total
 
     def estimate(self, objects: list[Any]) -> list[dict[str, Any]]:
@@ -198,7 +194,7 @@ class Consumer:
         if not query.value:
             return "exact: public values are published unchanged"
         if self.config.windowed is not None:
-            return WINDOWED_METHODS[self.config.windowed.mechanism]
+            return self.config.spec.estimates
         if self.config.personal is not None:
             return "MLE of uniform perturbation (seed 004 Lemma 3), SPS design-effect interval"
         if not estimate.identifiable:

@@ -21,7 +21,8 @@ import tomli_w
 
 from service.cli import client
 from service.core.config import StreamConfig
-from service.core.reconstruct import DecoyReconstruction, PublishedCells, Query
+from service.core.mechanisms.decoy_reconstruction import DecoyReconstruction
+from service.core.reconstruct import PublishedCells, Query
 from service.core.table import open_sample, read_table
 from streams.tools.run import estimate_text, run_stream
 

@@ -88,7 +88,7 @@ def run_stream(
         servers = stack.enter_context(EmbeddedServers(work / "servers"))
         os.environ.update(KAFKA_BOOTSTRAP=servers.kafka_bootstrap, REDIS_URL=servers.redis_url)
         config = load_config(config_path)
-        if published_out is not None and config.mechanism == "windowed":
+        if published_out is not None and config.windowed is not None:
             raise RunError(
                 "--published-out writes decoy and personal streams; a windowed stream also "
                 f"publishes side messages (ST rows, sub-tables): answer from "

@@ -27,6 +27,6 @@ def run_worker(
     run_in_thread(claim_manifest(config))
     # Faust wants a data directory even with in-memory tables; nothing in it outlives us.
     with tempfile.TemporaryDirectory(prefix=f"splu-{config.name}-") as datadir:
-        build = create_windowed_app if config.mechanism == "windowed" else create_app
+        build = create_windowed_app if config.windowed is not None else create_app
         app = build(config, key, Path(datadir), web=None if port is None else (host, port))
         StreamWorker(app, loglevel=loglevel, quiet=True).execute_from_commandline()

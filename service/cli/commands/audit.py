@@ -20,13 +20,8 @@ from service.cli.commands.common import (
 )
 from service.core.dp_audit import audit_disclosures
 from service.core.mechanisms.personal import BUDGETS, PersonalGroups
-from service.core.publication import (
-    SHOWN,
-    audit_summary,
-    merge_summary,
-    only_sensitive,
-    value_map_for,
-)
+from service.core.publication import SHOWN
+from service.core.publishers import audit_summary, merge_summary, only_sensitive, value_map_for
 
 
 def command_audit_personal(args: argparse.Namespace) -> int:

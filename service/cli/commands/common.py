@@ -15,20 +15,17 @@ from typing import Any, TextIO, TypeAlias
 import numpy as np
 
 from service.core.mechanisms.decoy import GROUPINGS
+from service.core.mechanisms.decoy_reconstruction import MATRICES, METHODS
 from service.core.mechanisms.fprivacy import METHODS as BUCKET_METHODS
 from service.core.mechanisms.personal import STREAM_BUDGETS
-from service.core.prf import ServiceKey, random_ids
-from service.core.publication import (
-    DEFAULTS,
-    MECHANISM_OPTIONS,
-    QUERYABLE,
-    SHOWN,
+from service.core.mechanisms.registry import (
+    ALL_OPTIONS,
+    DEFAULT_MECHANISM,
+    MECHANISMS,
     checked_settings,
-    flag_of,
-    log,
-    open_input,
 )
-from service.core.reconstruct import MATRICES, METHODS
+from service.core.prf import ServiceKey, random_ids
+from service.core.publication import SHOWN, flag_of, log, open_input
 from service.core.schema import Rejection, Schema
 from service.core.table import Table, read_table
 
@@ -140,14 +137,15 @@ def write_json(path: str, document: Any) -> None:
 def mechanism_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The options of --mechanism, checked, with defaults filled in; others given are an error."""
     chosen = args.mechanism
-    for option in dict.fromkeys(o for options in MECHANISM_OPTIONS.values() for o in options):
-        if option in MECHANISM_OPTIONS[chosen] or getattr(args, option, None) is None:
+    spec = MECHANISMS[chosen]
+    for option in ALL_OPTIONS:
+        if option in spec.options or getattr(args, option, None) is None:
             continue
-        owners = [m for m, options in MECHANISM_OPTIONS.items() if option in options]
+        owners = [m for m, other in MECHANISMS.items() if option in other.options]
         listed = ", ".join(owners[:-1]) + " or " + owners[-1] if len(owners) > 1 else owners[0]
         raise CommandError(f"{flag_of(option)} applies to --mechanism {listed}, not {chosen}")
-    defaults = DEFAULTS[chosen]
-    settings = {o: getattr(args, o, None) for o in MECHANISM_OPTIONS[chosen]}
+    defaults = spec.defaults
+    settings = {o: getattr(args, o, None) for o in spec.options}
     settings = {o: defaults[o] if v is None and o in defaults else v for o, v in settings.items()}
     return checked_settings(chosen, settings)
 
@@ -239,8 +237,8 @@ def add_threshold_options(parser: argparse.ArgumentParser | argparse._ArgumentGr
 def add_mechanism_options(parser: argparse.ArgumentParser, reconstruction: bool) -> None:
     parser.add_argument(
         "--mechanism",
-        choices=QUERYABLE,
-        default="decoy",
+        choices=tuple(MECHANISMS),
+        default=DEFAULT_MECHANISM,
         help="decoy (SPLU-Gen decoy groups, default), personal (personal groups with "
         "reconstruction privacy, SPS), or, in batch only: sdr (small domain randomization), "
         "fprivacy (F′-privacy bucketization), anatomy, dbr (distribution-based "

@@ -34,13 +34,14 @@ from service.cli.progress import progress_bar
 from service.core import drafting, planning
 from service.core.config import DEFAULT_MIXING_POOL, DEFAULT_PARTITIONS, MIN_MIXING_GROUPS
 from service.core.mechanisms.personal import BUDGETS
+from service.core.mechanisms.registry import MECHANISMS, STREAM_MECHANISMS
 from service.core.merge import ValueMap
-from service.core.publication import SHOWN, log, only_sensitive, open_input
+from service.core.publication import SHOWN, log, open_input
+from service.core.publishers import only_sensitive
 from service.core.schema import Rejection
 from service.core.table import Table, csv_reader
 
 # The stream's mechanisms, which the plan recommends a setting of; `all` adds the batch ones.
-MECHANISMS = ("decoy", "personal")
 EVERY = "all"
 # Random query draws allowed per query wanted, as in bench/: a sample without small (or
 # large) queries ends the search instead of spinning.
@@ -266,7 +267,7 @@ def print_baselines(settings: Sequence[planning.Setting]) -> None:
         left_columns=2,
     )  # fmt: skip
     for mechanism in dict.fromkeys(s.mechanism for s in settings):
-        print(f"  {mechanism}: {planning.BASELINE_GUARANTEES[mechanism]}")
+        print(f"  {mechanism}: {MECHANISMS[mechanism].guarantee}")
 
 
 def parameters_text(parameters: dict[str, Any]) -> str:
@@ -440,8 +441,8 @@ def recommendation(
 
 def command_plan(args: argparse.Namespace) -> int:
     check_arguments(args)
-    chosen = args.mechanism or MECHANISMS
-    mechanisms = [m for m in MECHANISMS if m in chosen or EVERY in chosen]
+    chosen = args.mechanism or STREAM_MECHANISMS
+    mechanisms = [m for m in STREAM_MECHANISMS if m in chosen or EVERY in chosen]
     baselines = planning.BASELINES if EVERY in chosen else ()
     retentions = parse_retentions(args.retention)
     started = time.perf_counter()
@@ -653,7 +654,7 @@ def register(commands: Commands) -> None:
     plan.add_argument(
         "--mechanism",
         action="append",
-        choices=(*MECHANISMS, EVERY),
+        choices=(*STREAM_MECHANISMS, EVERY),
         help="plan decoy groups or personal groups (repeat for both; default both), or all: "
         "both and the batch mechanisms on the same queries, for comparison",
     )

@@ -18,23 +18,21 @@ from service.cli.commands.common import (
     write_atomically,
     write_json,
 )
-from service.core.publication import (
-    BATCH_ONLY,
-    BATCH_PUBLISHERS,
+from service.core.batch_files import (
     MERGE_SUFFIX,
     PARAMS_SUFFIX,
     beside,
     check_reserved,
-    log,
-    publish_decoy,
-    publish_personal,
     write_batch,
 )
+from service.core.mechanisms.registry import MECHANISMS
+from service.core.publication import log
 from service.core.table import write_table
 
 
 def command_publish(args: argparse.Namespace) -> int:
-    if args.mechanism == "laplace":
+    spec = MECHANISMS[args.mechanism]
+    if spec.publish is None:
         raise CommandError(
             "--mechanism laplace publishes nothing: it answers queries from the raw data with "
             "noise, on the trusted side; run `splu query --mechanism laplace --input IN.csv "
@@ -42,13 +40,13 @@ def command_publish(args: argparse.Namespace) -> int:
         )
     started = time.perf_counter()
     settings = mechanism_settings(args)
-    batch_only = args.mechanism in BATCH_ONLY
+    batch_only = spec.batch_only
     if batch_only and args.output == "-":
         raise CommandError(
             f"--output -: --mechanism {args.mechanism} writes OUT.{PARAMS_SUFFIX} beside "
             "OUT.csv (see --help), so give a file name"
         )
-    fits_map = args.mechanism == "personal" and not settings["merge_map"]
+    fits_map = "merge_map" in spec.options and not settings["merge_map"]
     if fits_map and args.output == "-":
         raise CommandError(
             f"--output -: without --merge-map, --mechanism personal writes the merge map it "
@@ -63,13 +61,12 @@ def command_publish(args: argparse.Namespace) -> int:
         check_reserved(table, args.mechanism)
     key, ids = key_and_ids(args.seed, len(table))
     if batch_only:
-        batch = BATCH_PUBLISHERS[args.mechanism](settings, table, ids, key)
+        batch = spec.publish(settings, table, ids, key)
         files = write_batch(args.output, args.mechanism, settings, table, batch)
         rows, details = len(batch.columns[0]), {**batch.details, "files": files}
         shown = f" (and {', '.join(files[1:])})"
     else:
-        publish = publish_decoy if args.mechanism == "decoy" else publish_personal
-        published, details = publish(settings, table, ids, key)
+        published, details = spec.publish(settings, table, ids, key)
         value_map = details.pop("value_map", None)
         shown = ""
         if fits_map:

@@ -23,26 +23,20 @@ from service.cli.commands.common import (
     report_rejections,
     write_atomically,
 )
+from service.core.batch_files import load_batch, personal_merge_map, published_cells
 from service.core.config import KAFKA_ENV, kafka_from_env, load_config
 from service.core.mechanisms.laplace import LaplaceCounts
 from service.core.mechanisms.laplace import _canonical as laplace_query_key
-from service.core.prf import ServiceKey
-from service.core.publication import (
-    BATCH_ONLY,
+from service.core.mechanisms.registry import (
+    ALL_OPTIONS,
     CLIPPABLE,
-    MECHANISM_OPTIONS,
     MECHANISMS,
-    Answers,
-    flag_of,
-    load_batch,
-    log,
-    open_input,
-    personal_merge_map,
-    published_cells,
-    reconstruction_of,
-    stream_reconstruction,
+    Evidence,
 )
-from service.core.reconstruct import PublishedCells, Query, QueryError, Reconstruction
+from service.core.merge import ValueMap
+from service.core.prf import ServiceKey
+from service.core.publication import flag_of, log, open_input
+from service.core.reconstruct import Answers, PublishedCells, Query, QueryError, Reconstruction
 from service.core.table import csv_reader
 
 # Where `splu query --topic` finds Kafka without --bootstrap, as every stream command does.
@@ -85,8 +79,7 @@ def _read_queries(
 
 def _refuse_options(args: argparse.Namespace, source: str) -> None:
     """Mechanism options do not apply when the stream itself says how it was published."""
-    options = [o for options in MECHANISM_OPTIONS.values() for o in options]
-    given = [o for o in dict.fromkeys(["sensitive", *options, "clip", "quasi", "bin", "schema",
+    given = [o for o in dict.fromkeys(["sensitive", *ALL_OPTIONS, "clip", "quasi", "bin", "schema",
              "seed"]) if getattr(args, o, None) is not None]  # fmt: skip
     if given:
         flag = flag_of(given[0])
@@ -115,7 +108,7 @@ def _merged(lines: list[Any], answers: Iterator[dict[str, Any]]) -> list[dict[st
 
 
 def _query_service(args: argparse.Namespace) -> int:
-    if args.mechanism not in MECHANISMS:
+    if not MECHANISMS[args.mechanism].stream:
         raise CommandError(
             f"--mechanism {args.mechanism} runs in batch only: query its files with --published"
         )
@@ -237,13 +230,14 @@ def command_query(args: argparse.Namespace) -> int:
         return _query_stream_file(args)
     if args.url is not None:
         return _query_service(args)
-    chosen = args.mechanism
+    chosen, spec = args.mechanism, MECHANISMS[args.mechanism]
     if args.clip is not None and chosen not in CLIPPABLE:
         raise CommandError(
             f"--clip applies to --mechanism {', '.join(CLIPPABLE[:-1])} or {CLIPPABLE[-1]}, "
             f"not {chosen}"
         )
-    if chosen != "laplace":
+    # A mechanism that publishes nothing answers from the raw data (laplace).
+    if spec.publish is not None:
         if args.input is not None:
             raise CommandError(f"--input applies to --mechanism laplace (raw data), not {chosen}")
         # The rest of `splu publish`'s options are welcome (SPEC §5: the same options):
@@ -251,9 +245,9 @@ def command_query(args: argparse.Namespace) -> int:
         # the raw table before publication and change nothing in what is read here.
         _check_published_columns(args.published, column_names(args.quasi), args.delimiter)
     settings = mechanism_settings(args)
-    if chosen == "laplace":
+    if spec.publish is None:
         return _query_laplace(args, settings)
-    if chosen in BATCH_ONLY:
+    if spec.batch_only:
         answerer, rows, domains = load_batch(
             chosen,
             args.published,
@@ -270,11 +264,16 @@ def command_query(args: argparse.Namespace) -> int:
             )
         with open_input(args.published) as stream:
             cells = published_cells(stream.read(), args.published, args.delimiter)
-        if chosen == "personal":
+        if "merge_map" in spec.options:
             personal_merge_map(settings, args.published)
-        answerer = reconstruction_of(
-            chosen, settings, cells, column_names(args.sensitive), args.confidence, args.clip
-        )
+            path = settings["merge_map"]
+            settings["value_map"] = ValueMap.load(path) if path else None
+        assert spec.reconstruct is not None
+        evidence = Evidence(
+            settings, column_names(args.sensitive), cells, confidence=args.confidence,
+            clip=args.clip,
+        )  # fmt: skip
+        answerer = spec.reconstruct(evidence)
         rows, domains = cells.total, None
     return _answer_queries(args, answerer, domains, f"over {rows:,} published rows ({chosen})")
 
@@ -300,14 +299,14 @@ def _query_stream_file(args: argparse.Namespace) -> int:
     as its consumer answers them: its config decides the mechanism and its options."""
     _refuse_options(args, "--config: the stream's config decides")
     config = load_config(args.config)
-    if config.mechanism == "windowed":
+    if config.windowed is not None:
         raise CommandError(
             f"{args.config} is a windowed stream: its answers need its side messages too, "
             f"query its topics with --topic {config.name}"
         )
     with open_input(args.published) as stream:
         cells = published_cells(stream.read(), args.published, args.delimiter)
-    answerer = stream_reconstruction(config, cells, args.confidence)
+    answerer = config.reconstruction(cells, args.confidence)
     source = f"over {cells.total:,} published rows of stream {config.name!r} ({config.mechanism})"
     return _answer_queries(args, answerer, None, source)
 
