@@ -129,8 +129,8 @@ def planned():
 
 
 def recommendations(settings, max_error):
-    decoy = planning.recommend_decoy(settings, max_error)
-    personal = planning.recommend_personal(settings, max_error)
+    decoy = planning.recommend("decoy", settings, max_error)
+    personal = planning.recommend("personal", settings, max_error)
     return [
         {"mechanism": "decoy", "setting": decoy and decoy.parameters},
         {"mechanism": "personal", "setting": personal and personal.parameters},

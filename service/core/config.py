@@ -527,7 +527,7 @@ def load_config(path: str | Path) -> StreamConfig:
 
 def parse_config(document: Mapping[str, Any], source: str, base: Path) -> StreamConfig:
     known = {
-        "stream", "key", "kafka", "redis", "decoy", "personal", "windowed", "reports", "schema",
+        "stream", "key", "kafka", "redis", *STREAM_KINDS, "reports", "schema",
     }  # fmt: skip
     unknown = sorted(set(document) - known)
     if unknown:

@@ -39,6 +39,7 @@ import numpy as np
 
 from service.core import planning
 from service.core.config import DEFAULT_MIXING_POOL, StreamConfig, parse_config
+from service.core.mechanisms.registry import MECHANISMS
 from service.core.schema import Attribute, Rejection, Schema
 from service.core.table import Table
 
@@ -231,14 +232,10 @@ def choose_setting(
                 return setting, True
     for recommendation in recommendations:
         mechanism = recommendation["mechanism"]
-        planned = [s for s in settings if s.mechanism == mechanism]
-        if mechanism == "personal":
-            planned = [s for s in planned if s.guarantees["sps"]["v_g"] == 0]
-        if planned:
-            key = "gamma" if mechanism == "decoy" else "retention"
-            chosen = (max if mechanism == "decoy" else min)(
-                planned, key=lambda s: s.parameters[key]
-            )
+        keeps = MECHANISMS[mechanism].keeps_guarantee
+        planned = [s for s in settings if s.mechanism == mechanism and keeps(s.guarantees)]
+        chosen = planning.most_private(mechanism, planned)
+        if chosen is not None:
             return chosen, False
     raise ValueError("no setting of decoy or personal groups was planned that keeps its guarantee")
 
@@ -282,10 +279,7 @@ def advice(
 
 
 def planning_label(setting: planning.Setting) -> str:
-    p = setting.parameters
-    if setting.mechanism == "decoy":
-        return f"decoy groups of γ = {p['gamma']}"
-    return f"personal groups at p = {p['retention']:g}"
+    return MECHANISMS[setting.mechanism].label.format(**setting.parameters)
 
 
 def standing_queries(
@@ -397,7 +391,7 @@ def _stream_lines(draft: Draft) -> list[str]:
         pool_wait = [
             f"# At {pace} a record waits about {duration_text(s.pool_wait or 0)} in its pool."
         ]
-    if draft.setting.mechanism == "decoy":
+    if MECHANISMS[draft.setting.mechanism].group_size is not None:
         mixing = [
             "# The mixing floor: a pool never drops below it while it releases, so a published",
             "# record's neighbours are its group-mates with probability at most (γ-1)/floor.",
@@ -468,20 +462,14 @@ def _mechanism_lines(draft: Draft, error_text: str) -> list[str]:
             f"# The most private setting planned (see the top): large counts off by {error_text}."
         ]
     block = planning.toml_block(setting).rstrip("\n").splitlines()
-    if setting.mechanism == "decoy":
-        g = setting.guarantees
-        what = [
-            f"# Each value is replaced by one drawn from the {p['gamma']} distinct values of a",
-            f"# hidden group: a count of 1..{g['alpha']} is published off by more than "
-            f"{g['epsilon']:.0%} with probability at least {g['T_P']:.3f} (T_P).",
-        ]
-        return [block[0], *why, *what, *block[1:]]
     what = [
-        f"# Each value is kept with probability {p['retention']:g}, else redrawn; no group of",
-        "# people sharing public values gets more draws than its (λ, δ) limit allows.",
+        line.format(**p, **setting.guarantees)
+        for line in MECHANISMS[setting.mechanism].draft_explanation
     ]
+    if "merge_map" not in p:
+        return [block[0], *why, *what, *block[1:]]
     release = ["# Records a group releases at once (or after max_wait).", "release_size = 100"]
-    if not p.get("merge_map"):
+    if not p["merge_map"]:
         release += [
             "# No merge_map: each combination of public values is a group of its own",
             "# (`splu merge` fits one that merges values, so groups allow more trials).",
@@ -490,7 +478,7 @@ def _mechanism_lines(draft: Draft, error_text: str) -> list[str]:
 
 
 def _report_lines(draft: Draft) -> list[str]:
-    decoy = draft.setting.mechanism == "decoy"
+    spec = MECHANISMS[draft.setting.mechanism]
     lines = [
         "# The consumer's privacy tests, every stream.report_interval seconds: counts of",
         "# 1..alpha should rarely be reconstructed within ±epsilon.",
@@ -498,20 +486,16 @@ def _report_lines(draft: Draft) -> list[str]:
         "epsilon = 0.3",
         "alpha = 10",
     ]
-    if decoy:
-        lines += [
-            "error_tolerance = 0.02",
-            "min_privacy = 0.1",
-            "max_suppressed = 0.01",
-            "# Hold publication while small counts are reconstructible.",
-            'fail_closed = ["adversary"]',
-        ]
-    else:
+    if "guarantees" not in spec.never_runs:
+        lines += ["error_tolerance = 0.02", "min_privacy = 0.1", "max_suppressed = 0.01"]
+    if "budget" in spec.fail_closed:
         lines += [
             "# Hold publication while small counts are reconstructible or a group is over its",
             "# trials.",
-            'fail_closed = ["budget", "adversary"]',
         ]
+    else:
+        lines.append("# Hold publication while small counts are reconstructible.")
+    lines.append(f"fail_closed = {json.dumps(list(spec.fail_closed))}")
     lines.append("# Standing queries on your own columns: the live page and the summary show them.")
     if not draft.queries:
         return [*lines, "queries = []"]

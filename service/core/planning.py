@@ -403,11 +403,11 @@ def plan_baseline(
 
 
 def baseline_gammas(mechanism: str, table: Table, sensitive: str, gammas: range) -> list[int]:
-    """The planned γ a batch mechanism can publish at: global randomization needs more than
-    γ values (its retention 1/γ must exceed each other value's probability)."""
-    if mechanism == "global":
-        return [g for g in gammas if table.schema[sensitive].size > g]
-    return list(gammas)
+    """The planned γ a batch mechanism can publish at, as its domain allows (global
+    randomization needs more than γ values: its retention 1/γ must exceed each other
+    value's probability)."""
+    check, attribute = MECHANISMS[mechanism].check_domain, table.schema[sensitive]
+    return [g for g in gammas if check is None or check({"gamma": g}, attribute) is None]
 
 
 def missing_bands(pool: QueryPool) -> list[str]:
@@ -420,27 +420,30 @@ def missing_bands(pool: QueryPool) -> list[str]:
     return out
 
 
-def recommend_decoy(settings: Sequence[Setting], max_error: float) -> Setting | None:
-    """The largest γ whose large-count mean error is at most `max_error`."""
+def most_private(mechanism: str, settings: Sequence[Setting]) -> Setting | None:
+    """The setting of `mechanism` its knob makes most private (decoy groups: the largest
+    γ; personal groups: the lowest retention)."""
+    spec = MECHANISMS[mechanism]
+    assert spec.knob is not None, f"{mechanism} is not planned"
+    pick = max if spec.private_upward else min
+    return pick(settings, key=lambda s: s.parameters[spec.knob], default=None)
+
+
+def recommend(mechanism: str, settings: Sequence[Setting], max_error: float) -> Setting | None:
+    """Among the settings of `mechanism` that keep its guarantee and whose large-count
+    mean error is at most `max_error`, the most private (decoy groups: the largest γ) or
+    the most accurate (personal groups, among those SPS keeps private in every group)."""
+    spec = MECHANISMS[mechanism]
     fitting = [
         s
         for s in settings
-        if s.mechanism == "decoy" and (e := s.large_mean()) is not None and e <= max_error
-    ]
-    return max(fitting, key=lambda s: s.parameters["gamma"], default=None)
-
-
-def recommend_personal(settings: Sequence[Setting], max_error: float) -> Setting | None:
-    """Among personal settings that SPS keeps private in every group (v_g = 0), the one with
-    the lowest large-count mean error, if it is at most `max_error`."""
-    fitting = [
-        s
-        for s in settings
-        if s.mechanism == "personal"
-        and s.guarantees["sps"]["v_g"] == 0
+        if s.mechanism == mechanism
+        and spec.keeps_guarantee(s.guarantees)
         and (e := s.large_mean()) is not None
         and e <= max_error
     ]
+    if spec.recommends_most_private:
+        return most_private(mechanism, fitting)
     return min(fitting, key=lambda s: s.large_mean() or 0.0, default=None)
 
 
@@ -452,18 +455,14 @@ STREAM_BUDGET = {"adaptive": "bounded", "conservative": "conservative", "none": 
 
 def toml_block(setting: Setting) -> str:
     """The stream config's table for `setting`, as service/core/config.py reads it."""
-    p = setting.parameters
-    if setting.mechanism == "decoy":
-        return f'[decoy]\ngamma = {p["gamma"]}\ngrouping = "{p["grouping"]}"\n'
-    lines = [
-        "[personal]",
-        f"retention = {p['retention']:g}",
-        f"lambda = {p['lambda']:g}",
-        f"delta = {p['delta']:g}",
-        f'budget = "{STREAM_BUDGET[p["budget"]]}"',
-    ]
-    if p["merge_map"]:
-        lines.append(f"merge_map = {json.dumps(p['merge_map'])}")
+    lines = [f"[{setting.mechanism}]"]
+    for key, value in setting.parameters.items():
+        if key == "budget":
+            value = STREAM_BUDGET[value]
+        if value is not None:
+            lines.append(
+                f"{key} = {value:g}" if isinstance(value, float) else f"{key} = {json.dumps(value)}"
+            )
     return "\n".join(lines) + "\n"
 
 

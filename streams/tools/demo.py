@@ -22,23 +22,25 @@ import tomli_w
 from service.cli import client
 from service.core.config import StreamConfig
 from service.core.mechanisms.decoy_reconstruction import DecoyReconstruction
+from service.core.mechanisms.registry import DEFAULT_MECHANISM
 from service.core.reconstruct import PublishedCells, Query
 from service.core.table import open_sample, read_table
 from streams.tools.run import estimate_text, run_stream
 
-EXAMPLES = {"decoy": "adult-decoy.toml", "personal": "adult-personal.toml"}
 # Shorter than production so the tail of the demo stream is not left waiting long.
 DEMO_SETTINGS = {"max_wait": 5.0, "flush_interval": 2.0, "partitions": 2, "report_interval": 5.0}
 
 
 def _write_config(mechanism: str, work: Path) -> Path:
+    # Each stream mechanism's bundled example: deploy/examples/adult-<mechanism>.toml.
+    name = f"adult-{mechanism}.toml"
     examples = resources.files("deploy").joinpath("examples")
-    document = tomllib.loads(examples.joinpath(EXAMPLES[mechanism]).read_text())
+    document = tomllib.loads(examples.joinpath(name).read_text())
     document["stream"].update(DEMO_SETTINGS)
-    if mechanism == "personal":
-        merge = document["personal"]["merge_map"]
+    merge = document.get(mechanism, {}).get("merge_map")
+    if merge is not None:
         (work / merge).write_text(examples.joinpath(merge).read_text())
-    path = work / EXAMPLES[mechanism]
+    path = work / name
     path.write_text(tomli_w.dumps(document))
     return path
 
@@ -64,7 +66,7 @@ def _truth(path: Path, config: StreamConfig) -> PublishedCells:
 
 
 def run_demo(
-    mechanism: str = "decoy",
+    mechanism: str = DEFAULT_MECHANISM,
     records: int | None = None,
     rate: float | None = None,
     serve: bool = False,

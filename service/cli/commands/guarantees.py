@@ -8,7 +8,6 @@ import json
 from service.cli.commands.common import (
     FORMATTER,
     GAMMA_HELP,
-    CommandError,
     Commands,
     add_threshold_options,
 )
@@ -16,8 +15,6 @@ from service.core.guarantees import chebyshev_thresholds, privacy_threshold, uti
 
 
 def command_guarantees(args: argparse.Namespace) -> int:
-    if args.mechanism != "decoy":
-        raise CommandError("guarantees are for --mechanism decoy; see `splu audit personal`")
     privacy = privacy_threshold(args.gamma, args.epsilon, args.alpha)
     utility_epsilon = args.utility_epsilon or args.epsilon
     utility = utility_threshold(args.gamma, utility_epsilon, args.te)

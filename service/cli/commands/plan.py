@@ -351,7 +351,8 @@ def plot_plan(
         raise CommandError(
             "--plot needs matplotlib: pip install 'splu-stream[evaluation]'"
         ) from None
-    decoy = [s for s in settings if s.mechanism == "decoy" and s.large_mean() is not None]
+    # Settings with a privacy threshold T_P (decoy groups) get a privacy–utility panel.
+    decoy = [s for s in settings if "T_P" in s.guarantees and s.large_mean() is not None]
     figure, axes = pyplot.subplots(1, 2 if decoy else 1, figsize=(12 if decoy else 6.5, 5))
     utility = axes[0] if decoy else axes
     chosen = [r["setting"] for r in recommendations if r["setting"] is not None]
@@ -414,12 +415,8 @@ def recommendation(
     mechanism: str, settings: Sequence[planning.Setting], args: argparse.Namespace
 ) -> dict[str, Any]:
     """The recommended setting of `mechanism` with its block, or why there is none."""
-    if mechanism == "decoy":
-        chosen = planning.recommend_decoy(settings, args.max_error)
-        rule = "the largest γ whose"
-    else:
-        chosen = planning.recommend_personal(settings, args.max_error)
-        rule = "among settings SPS keeps private (v_g = 0), the lowest"
+    chosen = planning.recommend(mechanism, settings, args.max_error)
+    rule = MECHANISMS[mechanism].recommend_rule
     if chosen is None:
         planned = [s.large_mean() for s in settings if s.mechanism == mechanism]
         best = min((e for e in planned if e is not None), default=None)
@@ -472,7 +469,8 @@ def command_plan(args: argparse.Namespace) -> int:
     ]
     merge_map = (args.merge_map, ValueMap.load(args.merge_map)) if args.merge_map else None
     gammas = planning.feasible_gammas(table, sensitive)
-    if ("decoy" in mechanisms or baselines) and not gammas:
+    by_gamma = any(MECHANISMS[m].knob == "gamma" for m in mechanisms)
+    if (by_gamma or baselines) and not gammas:
         raise CommandError(
             f"no γ ≥ 2 is feasible: {sensitive!r} needs two values, none above half the rows "
             "(--mechanism personal plans personal groups alone)"
@@ -525,8 +523,12 @@ def command_plan(args: argparse.Namespace) -> int:
         if any(r["toml"] for r in recommendations):
             print("  then: splu run --config my-stream.toml --input answers.csv")
         # The floor a stream gets by default, and the least it may hold (10 groups).
-        decoy = next((r["setting"] for r in recommendations if r["mechanism"] == "decoy"), None)
-        groups = MIN_MIXING_GROUPS * (decoy["gamma"] if decoy else 1)
+        sizes = [
+            r["setting"][size]
+            for r in recommendations
+            if r["setting"] and (size := MECHANISMS[r["mechanism"]].group_size)
+        ]
+        groups = MIN_MIXING_GROUPS * max(sizes, default=1)
         note = planning.floor_note(n, DEFAULT_MIXING_POOL, DEFAULT_PARTITIONS, groups)
         if note:
             print(f"\n{note}")

@@ -131,6 +131,18 @@ class MechanismSpec:
     unchecked_guarantee: str | None = None
     estimates: str = ""
     guarantee: str = ""  # its guarantee in words (`splu plan`)
+    # `splu plan` of a stream mechanism: the option a plan varies, whether more of it is
+    # more private, whether a planned setting keeps the guarantee (its figures), how a
+    # setting is named, and which one is recommended within the error bound: the most
+    # private, or the most accurate (`recommend_rule` says which in words).
+    knob: str | None = None
+    private_upward: bool = True
+    keeps_guarantee: Callable[[Mapping[str, Any]], bool] = lambda _: True
+    label: str = ""
+    recommends_most_private: bool = False
+    recommend_rule: str = ""
+    # What a drafted config says of it, formatted with the setting's parameters and figures.
+    draft_explanation: tuple[str, ...] = ()
 
     def flags(self) -> str:
         return ", ".join(flag_of(o) for o in self.options)
@@ -217,6 +229,11 @@ def _check_laplace(out: dict[str, Any]) -> None:
         raise PublicationError("--mechanism laplace needs its privacy budget: give --epsilon E")
     if not (math.isfinite(epsilon) and epsilon > 0):
         raise PublicationError(f"--epsilon must be a positive number, got {epsilon}")
+
+
+def _sps_keeps_every_group(guarantees: Mapping[str, Any]) -> bool:
+    """Whether SPS leaves no personal group over its trial limit (v_g = 0)."""
+    return guarantees["sps"]["v_g"] == 0
 
 
 def _clip(spec_name: str, evidence: Evidence) -> bool:
@@ -322,6 +339,15 @@ _SPECS = (
         stream_scripts=("decoy",),
         group_size="gamma",
         manifest=("gamma", "grouping"),
+        knob="gamma",
+        label="decoy groups of γ = {gamma}",
+        recommends_most_private=True,
+        recommend_rule="the largest γ whose",
+        draft_explanation=(
+            "# Each value is replaced by one drawn from the {gamma} distinct values of a",
+            "# hidden group: a count of 1..{alpha} is published off by more than "
+            "{epsilon:.0%} with probability at least {T_P:.3f} (T_P).",
+        ),
         fail_closed=("adversary",),
         never_runs=("budget",),
     ),
@@ -338,6 +364,15 @@ _SPECS = (
         stream_scripts=("bound", "personal"),
         grouped_topic=True,
         manifest=("retention", "lam", "delta", "budget"),
+        knob="retention",
+        private_upward=False,
+        keeps_guarantee=_sps_keeps_every_group,
+        label="personal groups at p = {retention:g}",
+        recommend_rule="among settings SPS keeps private (v_g = 0), the lowest",
+        draft_explanation=(
+            "# Each value is kept with probability {retention:g}, else redrawn; no group of",
+            "# people sharing public values gets more draws than its (λ, δ) limit allows.",
+        ),
         stream_options={"stream": True},
         fail_closed=("budget", "adversary"),
         never_runs=("eligibility", "guarantees"),
