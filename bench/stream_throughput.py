@@ -128,8 +128,9 @@ from deploy.embedded import (
     spawn_worker,
     stream_env,
 )
-from service.core.config import KafkaSettings, StreamConfig, load_config, parse_config
+from service.core.config import StreamConfig, load_config, parse_config
 from service.core.ingest import Preparer, RawMessage
+from service.core.kafka_settings import KafkaSettings
 from service.core.table import open_sample
 from service.store.auditor import TrustedState
 from service.store.buffer import StreamBuffer, connect

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from service.cli import batch as cli
 from service.cli.commands.common import FORMATTER, CommandError, Commands, add_delimiter_option
-from service.core.config import KafkaSettings, load_config
+from service.core.config import load_config
+from service.core.kafka_settings import KafkaSettings
 from service.core.manifest import Publication
 from service.core.mechanisms.registry import DEFAULT_MECHANISM, STREAM_MECHANISMS
 from service.core.publication import log, open_input

@@ -35,7 +35,7 @@ UNSAFE = [
      f"stream.mixing_pool must be at least {MIN_MIXING_GROUPS}",
      ({"mixing_pool": MIN_MIXING_GROUPS}, {})),
     ("adult-decoy.toml", {"dedup_window": 600.0}, {},
-     "stream.dedup_window is no longer a setting", ({}, {})),
+     "stream.dedup_window is not a known setting", ({}, {})),
     ("adult-decoy.toml", {"mixing_pool": 1000, "buffer_cap": 1999}, {},
      r"stream.buffer_cap \(1999\) must be at least twice stream.mixing_pool",
      ({"mixing_pool": 1000, "buffer_cap": 2000}, {})),

@@ -27,7 +27,7 @@ from deploy.embedded import (
     RedisServer,
     ServerStartError,
 )
-from service.core.config import KafkaSettings
+from service.core.kafka_settings import KafkaSettings
 from streams.runtime.topics import create_topics, run_in_thread
 
 # Talks to a Redis-protocol server: .ci/run repeats these against Debian's redis-server.

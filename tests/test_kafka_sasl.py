@@ -39,14 +39,8 @@ from test_cli_errors import EXAMPLES, assert_one_line, clean_env, csv_input, run
 
 from deploy.certificates import make_certificates
 from deploy.embedded import KafkaBroker
-from service.core.config import (
-    KAFKA_ENV,
-    SASL_MECHANISMS,
-    ConfigError,
-    KafkaSettings,
-    kafka_from_env,
-    parse_config,
-)
+from service.core.config import ConfigError, parse_config
+from service.core.kafka_settings import KAFKA_ENV, SASL_MECHANISMS, KafkaSettings, kafka_from_env
 from streams.runtime.kafka import (
     client_options,
     faust_options,

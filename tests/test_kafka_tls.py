@@ -34,7 +34,7 @@ from test_consumer import wait_for
 
 from deploy.certificates import TlsFiles, make_certificates
 from deploy.embedded import KafkaBroker, TlsProxy, free_port
-from service.core.config import kafka_from_env
+from service.core.kafka_settings import kafka_from_env
 from streams.tools.produce import produce
 from streams.tools.reader import read_publication
 from streams.worker.closing import request_close

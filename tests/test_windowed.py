@@ -27,14 +27,9 @@ import tomli_w
 from aiokafka import AIOKafkaProducer
 from harness import Harness, adult_rows
 
-from service.core.config import (
-    ConfigError,
-    StreamConfig,
-    WindowedSettings,
-    load_config,
-    parse_config,
-)
+from service.core.config import ConfigError, StreamConfig, load_config, parse_config
 from service.core.ingest import RawMessage
+from service.core.mechanism_settings import WindowedSettings
 from service.core.mechanisms.registry import MECHANISMS as REGISTRY
 from service.core.prf import ServiceKey
 from service.core.windows import KIND, WindowPreparer, decode_staged, render_window

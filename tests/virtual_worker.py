@@ -15,8 +15,9 @@ from collections.abc import Callable
 
 import redis.asyncio as aioredis
 
-from service.core.config import KafkaSettings, StreamConfig
+from service.core.config import StreamConfig
 from service.core.ingest import Preparer, RawMessage
+from service.core.kafka_settings import KafkaSettings
 from service.core.prf import ServiceKey
 from service.store.buffer import FINAL_POOL, StreamBuffer
 from service.store.lifecycle import Lifecycle

@@ -125,51 +125,41 @@ Every error names the file and the offending field.
 
 from __future__ import annotations
 
-import math
 import os
-import stat
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
-from fractions import Fraction
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, cast
 
-from service.core.guarantees import check_reconstruction_parameters, trial_limit
-from service.core.mechanisms.personal import STREAM_BUDGETS
+from service.core.config_tables import (
+    ConfigError,
+    TableReader,
+    env_flag,
+    read_private_file,
+    table_of,
+)
+from service.core.kafka_settings import KafkaSettings, kafka_settings
+from service.core.mechanism_settings import (
+    SETTINGS_READERS,
+    WINDOWED,
+    DecoySettings,
+    PersonalSettings,
+    WindowedSettings,
+)
 from service.core.mechanisms.registry import (
-    BATCH_ONLY,
     MECHANISMS,
     STREAM_MECHANISMS,
     TESTS,
     Evidence,
     MechanismSpec,
-    checked_settings,
 )
-from service.core.merge import ValueMap
 from service.core.prf import KEY_BYTES, ServiceKey
-from service.core.publication import PublicationError, configured
-from service.core.publishers import COUNT_COLUMN
 from service.core.reconstruct import PublishedCells, Reconstruction
 from service.core.schema import Schema, SchemaError, read_toml
 
-# A stream runs a stream mechanism, or a batch-only one on each of its windows
-# (`service/store/windowed.py`).
-WINDOWED = "windowed"
 STREAM_KINDS = (*STREAM_MECHANISMS, WINDOWED)
 # [redis] options naming TLS files, and the redis-py argument each becomes.
 TLS_FILES = {"ca_file": "ssl_ca_certs", "cert_file": "ssl_certfile", "key_file": "ssl_keyfile"}
-# [kafka] settings and the environment variable that overrides each (`KafkaSettings`).
-KAFKA_ENV = {
-    "bootstrap": "KAFKA_BOOTSTRAP", "security_protocol": "KAFKA_SECURITY_PROTOCOL",
-    "ca_file": "KAFKA_CA_FILE", "cert_file": "KAFKA_CERT_FILE", "key_file": "KAFKA_KEY_FILE",
-    "sasl_mechanism": "KAFKA_SASL_MECHANISM", "username": "KAFKA_USERNAME",
-    "password_file": "KAFKA_PASSWORD_FILE",
-}  # fmt: skip
-# The password itself, overriding [kafka] password_env and password_file.
-KAFKA_PASSWORD_ENV = "KAFKA_PASSWORD"
-KAFKA_PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
-SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
-DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 TOPIC_ROLES = ("raw", "published", "rejected", "reports")
 # A personal stream's internal topic: its raw records, validated and repartitioned by
 # personal group, so that each group has one owner and one trial budget (issue 15). It
@@ -186,95 +176,9 @@ DEFAULT_MIXING_POOL = 1000
 SMALL_REMAINDER = ("suppress", "publish")
 
 
-class ConfigError(SchemaError):
-    """The stream configuration is unusable; the message names the field."""
-
-
-@dataclass(frozen=True)
-class DecoySettings:
-    gamma: int
-    grouping: str
-
-
-@dataclass(frozen=True)
-class PersonalSettings:
-    retention: float
-    lam: float
-    delta: float
-    budget: str
-    release_size: int
-    value_map: ValueMap
-
-
-@dataclass(frozen=True)
-class WindowedSettings:
-    """A batch mechanism run on windows of the stream (`service/store/windowed.py`).
-
-    `options` holds the mechanism's options under the names of `splu publish`
-    (`service.core.mechanisms.registry`), checked, with its defaults filled in; ρ, θ and
-    β as exact Fractions.
-    """
-
-    mechanism: str
-    window: int
-    max_window_wait: float
-    min_window: int
-    options: Mapping[str, Any]
-
-
 # Raw records per batch at most: one ingest call's arguments stay well below the size
 # (1 MB) from which a server's command log would keep them.
 MAX_BATCH_SIZE = 5000
-
-
-def kafka_setting(key: str) -> str:
-    """How an error names a [kafka] setting: the config key and its environment variable."""
-    return f"kafka.{key} ({KAFKA_ENV.get(key, KAFKA_PASSWORD_ENV)})"
-
-
-@dataclass(frozen=True)
-class KafkaSettings:
-    """Where the brokers are and how every Kafka client of a process reaches them
-    (`streams.runtime.kafka.client_options`): TLS with verification, SASL with the role's own
-    principal. The password is read when a client is built, never kept here."""
-
-    bootstrap: str
-    security_protocol: str = "PLAINTEXT"
-    ca_file: Path | None = None
-    cert_file: Path | None = None
-    key_file: Path | None = None
-    sasl_mechanism: str | None = None
-    username: str | None = None
-    password_env: str | None = None
-    password_file: Path | None = None
-    source: str = "the environment"
-
-    @property
-    def tls(self) -> bool:
-        return self.security_protocol in ("SSL", "SASL_SSL")
-
-    @property
-    def sasl(self) -> bool:
-        return self.security_protocol.startswith("SASL_")
-
-    def password(self) -> str:
-        """The SASL password: KAFKA_PASSWORD, else the password file, else the variable
-        password_env names."""
-        if KAFKA_PASSWORD_ENV in os.environ:
-            return os.environ[KAFKA_PASSWORD_ENV]
-        if self.password_file is not None:
-            setting = f"{self.source}: {kafka_setting('password_file')}"
-            return read_private_file(self.password_file, setting).rstrip("\r\n")
-        if self.password_env is not None:
-            if self.password_env not in os.environ:
-                raise ConfigError(
-                    f"{self.source}: kafka.password_env names {self.password_env}, which is not set"
-                )
-            return os.environ[self.password_env]
-        raise ConfigError(
-            f"{self.source}: kafka.security_protocol {self.security_protocol} needs a "
-            f"password: set {KAFKA_PASSWORD_ENV}, or kafka.password_env or password_file"
-        )
 
 
 @dataclass(frozen=True)
@@ -395,20 +299,6 @@ class StreamConfig:
         return options
 
 
-def read_private_file(path: Path, setting: str) -> str:
-    """The text of a secret's file, which must be readable by its owner only; errors
-    start with `setting` (the file and key that name it)."""
-    try:
-        mode = path.stat().st_mode
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise ConfigError(
-                f"{setting} {path} is readable by others (mode {stat.filemode(mode)}); chmod 600 it"
-            )
-        return path.read_text()
-    except OSError as err:
-        raise ConfigError(f"{setting} {path}: {err.strerror}") from None
-
-
 def _parse_key(text: str, where: str) -> ServiceKey:
     try:
         secret = bytes.fromhex(text.strip())
@@ -419,104 +309,7 @@ def _parse_key(text: str, where: str) -> ServiceKey:
     return ServiceKey(secret)
 
 
-class _Reader:
-    """Typed access to one TOML table with errors that name the field."""
-
-    def __init__(self, source: str, table: Mapping[str, Any], path: str) -> None:
-        self.source, self.table, self.path = source, table, path
-        self.used: set[str] = set()
-
-    def fail(self, key: str, message: str) -> ConfigError:
-        return ConfigError(f"{self.source}: {self.path}.{key} {message}")
-
-    def get(self, key: str, default: Any = None) -> Any:
-        self.used.add(key)
-        return self.table.get(key, default)
-
-    def number(self, key: str, default: float | None = None, positive: bool = True) -> float:
-        value = self.get(key, default)
-        if value is None:
-            raise self.fail(key, "is required")
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise self.fail(key, f"must be a number, got {value!r}")
-        try:
-            number = float(value)
-        except OverflowError:
-            number = math.inf
-        if not math.isfinite(number):
-            raise self.fail(key, "must be a finite number")
-        if positive and not number > 0:
-            raise self.fail(key, f"must be positive, got {value}")
-        return number
-
-    def integer(
-        self, key: str, default: int | None = None, minimum: int = 1, maximum: int = 10**9
-    ) -> int:
-        value = self.get(key, default)
-        if value is None:
-            raise self.fail(key, "is required")
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise self.fail(key, f"must be an integer, got {value!r}")
-        if value < minimum:
-            raise self.fail(key, f"must be at least {minimum}, got {value}")
-        if value > maximum:
-            shown = f"{value:,}" if value < 10**15 else "more"
-            raise self.fail(key, f"must be at most {maximum:,}, got {shown}")
-        return value
-
-    def flag(self, key: str, default: bool = False) -> bool:
-        value = self.get(key, default)
-        if not isinstance(value, bool):
-            raise self.fail(key, f"must be true or false, got {value!r}")
-        return value
-
-    def text(self, key: str, default: str | None = None, choices: tuple[str, ...] = ()) -> str:
-        value = self.get(key, default)
-        if value is None:
-            raise self.fail(key, "is required")
-        if not isinstance(value, str) or not value:
-            raise self.fail(key, f"must be a non-empty string, got {value!r}")
-        if choices and value not in choices:
-            raise self.fail(key, f"must be one of {', '.join(choices)}, got {value!r}")
-        return value
-
-    def refuse_password(self, instead: str) -> None:
-        """A literal password would sit in a file that is copied, mounted and committed."""
-        if "password" in self.table:
-            raise self.fail(
-                "password", f"is refused: a password is never written in the config; {instead}"
-            )
-
-    def finish(self) -> None:
-        unknown = sorted(set(self.table) - self.used)
-        if unknown:
-            raise self.fail(unknown[0], "is not a known setting")
-
-
-def _table(source: str, document: Mapping[str, Any], name: str, required: bool) -> _Reader | None:
-    table = document.get(name)
-    if table is None:
-        if required:
-            raise ConfigError(f"{source}: the [{name}] table is required")
-        return None
-    if not isinstance(table, Mapping):
-        raise ConfigError(f"{source}: {name} must be a table")
-    return _Reader(source, table, name)
-
-
 REDIS_CLUSTER_ENV = "REDIS_CLUSTER"
-_FLAG_TEXTS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
-
-
-def env_flag(name: str, default: bool) -> bool:
-    """A true/false environment variable (1/0, true/false, yes/no), or `default` if unset."""
-    text = os.environ.get(name)
-    if text is None or text == "":
-        return default
-    try:
-        return _FLAG_TEXTS[text.strip().lower()]
-    except KeyError:
-        raise ConfigError(f"{name} must be 1 or 0 (true or false), got {text!r}") from None
 
 
 def load_config(path: str | Path) -> StreamConfig:
@@ -532,7 +325,7 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
     unknown = sorted(set(document) - known)
     if unknown:
         raise ConfigError(f"{source}: unknown table [{unknown[0]}]")
-    stream = _table(source, document, "stream", required=True)
+    stream = table_of(source, document, "stream", required=True)
     assert stream is not None
     name = stream.text("name")
     # Kafka topic names: ASCII letters, digits, '-', '_', '.', at most 249 with the suffix.
@@ -542,7 +335,7 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
     topics_table = stream.get("topics", {})
     if not isinstance(topics_table, Mapping):
         raise stream.fail("topics", "must be a table")
-    topics_reader = _Reader(source, topics_table, "stream.topics")
+    topics_reader = TableReader(source, topics_table, "stream.topics")
     grouped = mechanism in MECHANISMS and MECHANISMS[mechanism].grouped_topic
     roles = TOPIC_ROLES + (GROUPED_ROLE,) * grouped
     topics = {role: topics_reader.text(role, f"{name}.{role}") for role in roles}
@@ -562,16 +355,10 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
         "batch_wait": stream.number("batch_wait", 0.2),
         "record_ttl": stream.number("record_ttl") if stream.get("record_ttl") else None,
     }
-    if "dedup_window" in stream.table:
-        raise stream.fail(
-            "dedup_window",
-            "is no longer a setting: record ids and tokens are remembered for the life of "
-            "the stream; remove it",
-        )
     stream.finish()
     _check_stream_settings(stream, settings)
 
-    key = _table(source, document, "key", required=True)
+    key = table_of(source, document, "key", required=True)
     assert key is not None
     key_env, key_file = key.get("env"), key.get("file")
     if (key_env is None) == (key_file is None):
@@ -582,8 +369,8 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
         key_file = base / key.text("file")
     key.finish()
 
-    kafka = _table(source, document, "kafka", required=False)
-    redis = _table(source, document, "redis", required=False)
+    kafka = table_of(source, document, "kafka", required=False)
+    redis = table_of(source, document, "redis", required=False)
     redis_url = (
         redis.text("url", "redis://127.0.0.1:6379/0") if redis else "redis://127.0.0.1:6379/0"
     )
@@ -620,7 +407,7 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
         if other != mechanism and other in document:
             raise ConfigError(f"{source}: [{other}] is set but stream.mechanism is {mechanism!r}")
     # Each kind's settings sit in the table of its name.
-    chosen = _SETTINGS_READERS[mechanism](source, mechanism, document, schema, base)
+    chosen = SETTINGS_READERS[mechanism](source, mechanism, document, schema, base)
     decoy = chosen if isinstance(chosen, DecoySettings) else None
     personal = chosen if isinstance(chosen, PersonalSettings) else None
     windowed = chosen if isinstance(chosen, WindowedSettings) else None
@@ -648,7 +435,7 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
         topics=topics,
         key_env=key_env,
         key_file=key_file,
-        kafka=kafka_settings(kafka or _Reader(source, {}, "kafka"), base),
+        kafka=kafka_settings(kafka or TableReader(source, {}, "kafka"), base),
         redis_url=redis_url,
         redis_password_env=password_env,
         redis_username=os.environ.get("REDIS_USERNAME", username),
@@ -664,66 +451,7 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
     )
 
 
-def kafka_from_env(bootstrap: str | None = None) -> KafkaSettings:
-    """Kafka settings without a config file, for a downstream reader: the KAFKA_*
-    variables (paths relative to the working directory), `bootstrap` if given."""
-    settings = kafka_settings(_Reader("the environment", {}, "kafka"), Path.cwd())
-    return settings if bootstrap is None else replace(settings, bootstrap=bootstrap)
-
-
-def kafka_settings(table: _Reader, base: Path) -> KafkaSettings:
-    """The [kafka] table with the KAFKA_* variables over it, checked: TLS files only with
-    a TLS protocol; SASL settings only with a SASL protocol, which needs a mechanism and a
-    username (the password is read when a client is built)."""
-    table.refuse_password(
-        "name the environment variable holding it (password_env) or a file readable by "
-        f"its owner only (password_file), or set {KAFKA_PASSWORD_ENV}"
-    )
-    if table.get("password_env") is not None and table.get("password_file") is not None:
-        raise table.fail("password_env", "and kafka.password_file: give one of them")
-    values: dict[str, Any] = {}
-    for key in (*KAFKA_ENV, "password_env"):
-        if table.get(key) is not None:
-            text = table.text(key)
-            values[key] = base / text if key.endswith("_file") else text
-        variable = KAFKA_ENV.get(key)
-        text = os.environ.get(variable) if variable else None
-        if text:
-            values[key] = Path(text) if key.endswith("_file") else text
-    table.finish()
-
-    def fail(key: str, message: str) -> ConfigError:
-        return ConfigError(f"{table.source}: {kafka_setting(key)} {message}")
-
-    protocol = values.setdefault("security_protocol", "PLAINTEXT")
-    if protocol not in KAFKA_PROTOCOLS:
-        choices = ", ".join(KAFKA_PROTOCOLS)
-        raise fail("security_protocol", f"must be one of {choices}, got {protocol!r}")
-    values.setdefault("bootstrap", DEFAULT_BOOTSTRAP)
-    settings = KafkaSettings(source=table.source, **values)
-    for keys, applies, kind, use in (
-        (("ca_file", "cert_file", "key_file"), settings.tls, "TLS", "SSL or SASL_SSL"),
-        (("sasl_mechanism", "username", "password_env", "password_file"), settings.sasl,
-         "SASL", "SASL_SSL or SASL_PLAINTEXT"),
-    ):  # fmt: skip
-        for key in keys:
-            if key in values and not applies:
-                raise fail(
-                    key, f"is a {kind} setting, but security_protocol is {protocol}: use {use}"
-                )
-    if settings.key_file is not None and settings.cert_file is None:
-        raise fail("key_file", "needs cert_file, the certificate the key belongs to")
-    if settings.sasl:
-        if settings.sasl_mechanism not in SASL_MECHANISMS:
-            got = "" if settings.sasl_mechanism is None else f", got {settings.sasl_mechanism!r}"
-            choices = ", ".join(SASL_MECHANISMS)
-            raise fail("sasl_mechanism", f"must be one of {choices} with {protocol}{got}")
-        if settings.username is None:
-            raise fail("username", f"is required with {protocol}: the principal of this role")
-    return settings
-
-
-def _check_stream_settings(stream: _Reader, settings: Mapping[str, Any]) -> None:
+def _check_stream_settings(stream: TableReader, settings: Mapping[str, Any]) -> None:
     """Combinations of [stream] settings that would stall the stream or lose records."""
     if settings["buffer_cap"] < 2 * settings["mixing_pool"]:
         raise stream.fail(
@@ -745,7 +473,9 @@ def _check_stream_settings(stream: _Reader, settings: Mapping[str, Any]) -> None
 def _report_settings(
     source: str, document: Mapping[str, Any], mechanism: str, schema: Schema
 ) -> ReportSettings:
-    table = _table(source, document, "reports", required=False) or _Reader(source, {}, "reports")
+    table = table_of(source, document, "reports", required=False) or TableReader(
+        source, {}, "reports"
+    )
     epsilon = table.number("epsilon", 0.3)
     tolerance = table.number("error_tolerance", 0.02)
     min_privacy = table.number("min_privacy", 0.1)
@@ -802,134 +532,8 @@ def _report_settings(
     return settings
 
 
-def _decoy_settings(
-    source: str, name: str, document: Mapping[str, Any], schema: Schema, base: Path
-) -> DecoySettings:
-    table = _table(source, document, name, required=False) or _Reader(source, {}, name)
-    gamma = table.integer("gamma", 5, minimum=2)
-    # Anatomy's rule is a batch comparison (`splu publish --grouping anatomy`); streams cut
-    # with the size-weighted rule only.
-    grouping = table.text("grouping", "size-weighted", choices=("size-weighted",))
-    table.finish()
-    for attribute in schema.sensitive:
-        if attribute.size < gamma:
-            raise ConfigError(
-                f"{source}: decoy.gamma = {gamma} needs {gamma} values of each sensitive "
-                f"attribute; {attribute.name!r} has {attribute.size}"
-            )
-    return DecoySettings(gamma, grouping)
-
-
-def _windowed_settings(
-    source: str, name: str, document: Mapping[str, Any], schema: Schema, base: Path
-) -> WindowedSettings:
-    table = _table(source, document, name, required=True)
-    assert table is not None
-    mechanism = table.text("mechanism", choices=BATCH_ONLY)
-    spec = MECHANISMS[mechanism]
-    window = table.integer("window", 1000)
-    max_window_wait = table.number("max_window_wait", 60.0)
-    min_window = table.integer("min_window", -(-window // 10))
-    if min_window > window:
-        raise table.fail(
-            "min_window", f"must be at most windowed.window = {window}, got {min_window}"
-        )
-    for option in dict.fromkeys(o for other in BATCH_ONLY for o in MECHANISMS[other].options):
-        if option not in spec.options and option in table.table:
-            owners = [m for m in BATCH_ONLY if option in MECHANISMS[m].options]
-            raise table.fail(option, f"applies to mechanism {' or '.join(owners)}, not {mechanism}")
-    options: dict[str, Any] = {}
-    for option, default in spec.defaults.items():
-        # Exact numbers may be written as ratios ("1/13"); the registry reads them.
-        if isinstance(default, bool | Fraction):
-            options[option] = table.get(option, default)
-        elif isinstance(default, int):
-            options[option] = table.integer(option, default, minimum=0)
-        elif isinstance(default, float):
-            options[option] = table.number(option, default)
-        else:
-            options[option] = table.text(option, default)
-    table.finish()
-    try:
-        options = checked_settings(mechanism, options)
-    except PublicationError as err:
-        raise ConfigError(f"{source}: {configured(str(err), name)}") from None
-    if spec.sensitive_columns is not None and len(schema.sensitive) != spec.sensitive_columns:
-        raise ConfigError(
-            f"{source}: windowed.mechanism = {mechanism!r} protects exactly one sensitive "
-            f"attribute; the schema has {len(schema.sensitive)}"
-        )
-    if spec.check_domain is not None:
-        problem = spec.check_domain(options, schema.sensitive[0])
-        if problem is not None:
-            raise ConfigError(f"{source}: {configured(problem, name)}")
-    # Names the published messages use themselves (`service/store/windowed.py`).
-    reserved = set()
-    if spec.extra_column is not None:
-        reserved = {spec.extra_column, "kind"}
-        if spec.bucketed:
-            reserved.add(COUNT_COLUMN)
-    for attribute in schema.attributes:
-        if attribute.name in reserved:
-            raise ConfigError(
-                f"{source}: schema attribute {attribute.name!r}: windowed.mechanism = "
-                f"{mechanism!r} publishes a field of that name itself; rename the attribute"
-            )
-    return WindowedSettings(mechanism, window, max_window_wait, min_window, options)
-
-
-def _personal_settings(
-    source: str, name: str, document: Mapping[str, Any], schema: Schema, base: Path
-) -> PersonalSettings:
-    table = _table(source, document, name, required=True)
-    assert table is not None
-    if len(schema.sensitive) != 1:
-        raise ConfigError(
-            f"{source}: schema.sensitive: personal groups protect exactly one sensitive "
-            f"attribute, got {len(schema.sensitive)}"
-        )
-    attribute = schema.sensitive[0]
-    retention = table.number("retention", 0.5)
-    lam = table.number("lambda", 0.3)
-    delta = table.number("delta", 0.3)
-    budget = table.text("budget", "bounded", choices=STREAM_BUDGETS)
-    release_size = table.integer("release_size", 100)
-    map_name = table.text("merge_map") if table.get("merge_map") is not None else None
-    table.finish()
-    if attribute.size < 2:
-        raise ConfigError(
-            f"{source}: schema.sensitive.{attribute.name} needs at least 2 values for "
-            f"personal groups, got {attribute.size}"
-        )
-    try:
-        check_reconstruction_parameters(retention, attribute.size, lam, delta)
-    except ValueError as err:
-        raise ConfigError(f"{source}: personal (retention, lambda, delta): {err}") from None
-    smallest = float(trial_limit(1.0, retention, attribute.size, lam, delta))
-    if budget != "none" and smallest < 1:
-        # A group's copies repeat its trials: it needs at least one.
-        raise ConfigError(
-            f"{source}: personal.lambda: a group may hold {smallest:.2f} trials, fewer than "
-            f"one: lower retention or lambda, or raise delta"
-        )
-    if map_name is None:
-        return PersonalSettings(
-            retention, lam, delta, budget, release_size, ValueMap.identity(attribute)
-        )
-    try:
-        value_map = ValueMap.load(base / map_name)
-    except SchemaError as err:
-        raise ConfigError(f"{source}: personal.merge_map: {err}") from None
-    if value_map.sensitive != attribute.name:
-        raise ConfigError(
-            f"{source}: personal.merge_map was fitted for {value_map.sensitive!r}, "
-            f"not {attribute.name!r}"
-        )
-    return PersonalSettings(retention, lam, delta, budget, release_size, value_map)
-
-
 def _check_standing_query(
-    table: _Reader, number: int, query: Mapping[str, Any], schema: Schema
+    table: TableReader, number: int, query: Mapping[str, Any], schema: Schema
 ) -> None:
     """A standing query names public columns under where and sensitive ones under value."""
     unknown = set(query) - {"where", "value"}
@@ -949,11 +553,3 @@ def _check_standing_query(
                     raise table.fail(
                         "queries", f"#{number}: {part}.{column} = {option!r} is not in its domain"
                     )
-
-
-# Each kind of stream reads its settings from the table of its name.
-_SETTINGS_READERS = {
-    "decoy": _decoy_settings,
-    "personal": _personal_settings,
-    WINDOWED: _windowed_settings,
-}

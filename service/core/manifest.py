@@ -33,7 +33,8 @@ from typing import Any, cast
 
 import numpy as np
 
-from service.core.config import WINDOWED, StreamConfig, WindowedSettings
+from service.core.config import WINDOWED, StreamConfig
+from service.core.mechanism_settings import WindowedSettings
 from service.core.mechanisms.registry import MECHANISMS, Evidence, checked_settings
 from service.core.merge import ValueMap
 from service.core.publication import PublicationError, shown_option, spelled

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from service.core.batch_files import write_batch
-from service.core.config import WindowedSettings
+from service.core.mechanism_settings import WindowedSettings
 from service.core.mechanisms.registry import MECHANISMS, Buckets, Evidence, MechanismSpec
 from service.core.mechanisms.sdr import SUBTABLE_COLUMN, SubTable
 from service.core.publishers import COUNT_COLUMN, Batch

@@ -49,8 +49,8 @@ from typing import Any
 
 import numpy as np
 
-from service.core.config import WindowedSettings
 from service.core.ingest import AcceptedRows, PreparedBatch, Preparer
+from service.core.mechanism_settings import WindowedSettings
 from service.core.mechanisms.registry import MECHANISMS
 from service.core.mechanisms.sdr import SUBTABLE_COLUMN
 from service.core.prf import ServiceKey

@@ -34,13 +34,8 @@ from aiokafka.conn import create_conn
 from aiokafka.protocol.admin import SaslAuthenticateRequest_v0, SaslAuthenticateRequest_v1
 from aiokafka.protocol.metadata import MetadataRequest
 
-from service.core.config import (
-    KAFKA_PASSWORD_ENV,
-    ConfigError,
-    KafkaSettings,
-    StreamConfig,
-    kafka_setting,
-)
+from service.core.config import ConfigError, KafkaSettings, StreamConfig
+from service.core.kafka_settings import KAFKA_PASSWORD_ENV, kafka_setting
 from service.core.manifest import MANIFEST_PARTITIONS, manifest_topic
 
 T = TypeVar("T")

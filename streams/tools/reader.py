@@ -23,7 +23,7 @@ import os
 
 from aiokafka.structs import ConsumerRecord
 
-from service.core.config import KAFKA_ENV, KafkaSettings, kafka_from_env
+from service.core.kafka_settings import KAFKA_ENV, KafkaSettings, kafka_from_env
 from service.core.manifest import ManifestError, Publication, manifest_topic
 from streams.runtime.manifest import read_manifest, read_to_end
 from streams.runtime.topics import existing_topics, run_in_thread

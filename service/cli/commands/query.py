@@ -24,7 +24,8 @@ from service.cli.commands.common import (
     write_atomically,
 )
 from service.core.batch_files import load_batch, personal_merge_map, published_cells
-from service.core.config import KAFKA_ENV, kafka_from_env, load_config
+from service.core.config import load_config
+from service.core.kafka_settings import KAFKA_ENV, kafka_from_env
 from service.core.mechanisms.laplace import LaplaceCounts
 from service.core.mechanisms.laplace import _canonical as laplace_query_key
 from service.core.mechanisms.registry import (
