@@ -1,133 +1,29 @@
-"""Stream configuration: one TOML file per stream, validated on load.
+"""Stream configuration: one TOML file per stream, validated once, on load.
 
-    [stream]
-    name = "adult"               # topics: adult.raw, adult.published, adult.rejected, adult.reports
-                                 # (personal: also adult.grouped, internal, see below)
-    mechanism = "decoy"          # or "personal", or "windowed" (a batch mechanism per window)
-    partitions = 1               # of every topic (at most 1,024); one worker can own
-                                 # several, and one partition moves tens of thousands of
-                                 # records a second
-    max_wait = 30.0              # seconds a record may wait for its group (decoy: then it
-                                 # is suppressed; a slow survey needs minutes to hours)
-    mixing_pool = 1000           # the mixing pool's floor, in records (decoy: at least 10
-                                 # groups of γ): the pool never holds fewer while it
-                                 # releases, so a published record's neighbours are its
-                                 # group-mates with probability at most (γ-1)/floor; records
-                                 # wait until it fills (about floor / arrival rate), or
-                                 # until the stream closes (`splu close`)
-    small_remainder = "suppress" # at the close, the remainders below every partition's
-                                 # floor leave together; if all of them hold fewer than 10
-                                 # groups (the minimum mixing), "suppress" them, counted,
-                                 # or "publish" them, the take's weaker guarantee reported
-    closed_retention = 86400.0   # seconds after a partition's close that what it still
-                                 # keeps of true values (personal group state, suppression
-                                 # counts) and record fingerprints expire
-    flush_interval = 5.0         # seconds without new pooled records after which a pool
-                                 # holding at least its floor is released whole
-    buffer_cap = 100000          # records per partition (waiting and pooled) before
-                                 # consumption pauses; at least twice mixing_pool
-    report_interval = 30.0       # seconds between privacy reports
-    batch_size = 2000            # raw records per batch (at most 5,000)
-    batch_wait = 0.2             # seconds to wait for a batch to fill
-    record_ttl = 86400.0         # optional: raw buffered records (not yet randomized) expire
-                                 # this long after a worker last touched their partition;
-                                 # at least 60 s and twice max_wait. Randomized records
-                                 # (pooled, in flight) never expire: they are published
+    [stream]                 # StreamConfig: name, mechanism, partitions, max_wait,
+                             # mixing_pool, flush_interval, buffer_cap, small_remainder,
+                             # closed_retention, report_interval, batch_size, batch_wait,
+                             # record_ttl, topics = {raw = ..., published = ...}
+    [key]                    # env or file (StreamConfig.key_env, key_file)
+    [kafka]                  # KafkaSettings (service.core.kafka_settings)
+    [redis]                  # url, cluster, replica_acks, username, password_env, ca_file,
+                             # cert_file, key_file (StreamConfig.redis_*)
+    [decoy]                  # DecoySettings      } the table of stream.mechanism only
+    [personal]               # PersonalSettings   } (service.core.mechanism_settings)
+    [windowed]               # WindowedSettings   }
+    [reports]                # ReportSettings
+    [schema]                 # service.core.schema
 
-    [key]                        # the service key is never written in this file
-    env = "SPLU_SERVICE_KEY"     # 64 hex characters, or
-    file = "/run/secrets/splu"   # a file readable by its owner only
-
-    [kafka]                      # each setting overridden by the variable named beside it
-    bootstrap = "kafka:19092"    # KAFKA_BOOTSTRAP: host:port[,host:port...]
-    security_protocol = "SASL_SSL"   # KAFKA_SECURITY_PROTOCOL: PLAINTEXT (the default), SSL,
-                                 # SASL_PLAINTEXT or SASL_SSL (`streams.runtime.kafka`)
-    ca_file = "kafka-ca.crt"     # KAFKA_CA_FILE: TLS, the CA that signed the brokers'
-                                 # certificates (default: the system's CAs); certificates
-                                 # and host names are always verified
-    cert_file = "client.crt"     # KAFKA_CERT_FILE, KAFKA_KEY_FILE: mutual TLS, the client's
-    key_file = "client.key"      # certificate and key (paths relative to this file)
-    sasl_mechanism = "SCRAM-SHA-512" # KAFKA_SASL_MECHANISM: PLAIN, SCRAM-SHA-256 or
-                                 # SCRAM-SHA-512; required with SASL_*
-    username = "splu-worker"     # KAFKA_USERNAME: the role's own principal (README: the
-                                 # ACL table, `streams.runtime.kafka.topic_grants`)
-    password_env = "WORKER_KAFKA_PASSWORD"  # the variable holding the password, or
-    password_file = "/run/secrets/kafka"    # a file readable by its owner only
-                                 # (KAFKA_PASSWORD_FILE); KAFKA_PASSWORD, if set, is the
-                                 # password and overrides both. A password is never
-                                 # written in this file
-
-    [redis]
-    url = "redis://redis:6379/0" # REDIS_URL overrides; rediss:// for TLS
-    cluster = false              # a Redis Cluster, url naming any node; REDIS_CLUSTER overrides
-    replica_acks = 0             # replicas holding a write before it is relied on (Redis WAIT)
-    password_env = "REDIS_PASSWORD"
-    username = "splu-worker"     # an ACL user (store.buffer.acl_rules); REDIS_USERNAME overrides
-    ca_file = "ca.crt"           # TLS: the CA that signed the server's certificate, and
-    cert_file = "client.crt"     # for mutual TLS the client's certificate and key
-    key_file = "client.key"      # (paths relative to this file)
-
-    [decoy]
-    gamma = 5
-    grouping = "size-weighted"
-
-    [personal]
-    retention = 0.5
-    lambda = 0.3
-    delta = 0.3
-    budget = "bounded"           # trials planned with an upper confidence bound on each
-                                 # group's final largest frequency (docs/architecture.md);
-                                 # "conservative" plans with frequency 1, safe under any
-                                 # drift but less accurate; "adaptive" with the frequency
-                                 # so far, overrun when it drifts; "none": plain perturbation
-    release_size = 100
-    merge_map = "adult.merge.toml"   # optional, relative to this file (`splu merge` fits one):
-                                     # public values merged into larger groups, so each
-                                     # group allows more trials. Without it every public
-                                     # combination is a group of its own: safe, but small
-                                     # groups publish more copies and fewer trials
-
-    [windowed]                   # stream.mechanism = "windowed" (`service/store/windowed.py`)
-    mechanism = "anatomy"        # sdr, fprivacy, anatomy, dbr or global, run on each window
-    window = 1000                # records per window, per partition
-    max_window_wait = 60.0       # seconds after which a partial window closes
-    min_window = 100             # a partial window with fewer records is suppressed
-                                 # (default: a tenth of window)
-    gamma = 5                    # then the mechanism's options, named and defaulted as the
-                                 # `splu publish` flags: gamma (anatomy, global); rho1, rho2,
-                                 # delta (sdr); theta, beta, max_size, min_size,
-                                 # bucket_method, fake_values (fprivacy). Exact numbers may
-                                 # be written as ratios: rho1 = "1/13"
-
-    [reports]                    # the consumer's periodic privacy tests (stream.report_interval)
-    epsilon = 0.3                # relative error ε of the guarantees and the adversary simulation
-    alpha = 10                   # counts 1..α are small: they should not be estimated within ε
-    error_tolerance = 0.02       # T_E of the utility threshold T_f
-    min_privacy = 0.1            # decoy: T_P(ε, α) must reach this
-    max_suppressed = 0.01        # decoy: share of resolved records suppressed at most
-    min_rows = 20                # adversary: public combinations with at least this many rows
-    large_count = 100            # adversary: true counts from this on are large
-    max_small_within = 0.5       # adversary: share of small cells within ε at most (decoy: 1 − T_P)
-    dp_epsilon = 0.5             # personal: also audit Laplace counts at this ε (optional)
-    truth_retention = 86400.0    # seconds: the adversary test scores the records published
-                                 # in the last one to two such periods; the exact tallies
-                                 # it needs are dropped after that
-    fail_closed = ["adversary"]  # tests whose failure pauses publishing until they pass again
-                                 # (default: adversary; personal: budget and adversary)
-    port = 6066                  # the consumer's web port
-    queries = [{where = {sex = "Male"}, value = {occupation = "Craft-repair"}}]  # standing
-
-    [schema]
-    ...                          # as in `service.core.schema`
-
-Every error names the file and the offending field.
+Each setting's meaning and default is written once, on its field; a setting left out of
+the file takes that default. The bundled examples (deploy/examples/adult-*.toml) show
+every table filled in. Every error names the file and the offending field.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, cast
 
@@ -169,9 +65,6 @@ GROUPED_ROLE = "grouped"
 MIN_MIXING_GROUPS = 10
 # Seconds: a record TTL shorter than this could expire records while partitions move.
 MIN_RECORD_TTL = 60.0
-# Defaults a survey gets when its config leaves them out.
-DEFAULT_PARTITIONS = 1
-DEFAULT_MIXING_POOL = 1000
 # What the close does with a whole stream's remainder below the minimum mixing.
 SMALL_REMAINDER = ("suppress", "publish")
 
@@ -181,58 +74,99 @@ SMALL_REMAINDER = ("suppress", "publish")
 MAX_BATCH_SIZE = 5000
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ReportSettings:
-    """Thresholds of the consumer's periodic privacy tests and its standing queries."""
+    """[reports]: thresholds of the consumer's periodic privacy tests (every
+    stream.report_interval seconds) and its standing queries."""
 
-    epsilon: float
-    alpha: int
-    error_tolerance: float
-    min_privacy: float
-    max_suppressed: float
-    min_rows: int
-    large_count: int
-    max_small_within: float | None
-    dp_epsilon: float | None
-    truth_retention: float
+    epsilon: float = 0.3  # relative error ε of the guarantees and the adversary simulation
+    alpha: int = 10  # counts 1..α are small: they should not be estimated within ε
+    error_tolerance: float = 0.02  # T_E of the utility threshold T_f
+    min_privacy: float = 0.1  # decoy: T_P(ε, α) must reach this
+    max_suppressed: float = 0.01  # decoy: share of resolved records suppressed at most
+    min_rows: int = 20  # adversary: public combinations with at least this many rows
+    large_count: int = 100  # adversary: true counts from this on are large
+    # Adversary: share of small cells within ε at most (decoy default: 1 − T_P).
+    max_small_within: float | None = None
+    dp_epsilon: float | None = None  # personal: also audit Laplace counts at this ε
+    # Seconds: the adversary test scores the records published in the last one to two such
+    # periods; the exact tallies it needs are dropped after that.
+    truth_retention: float = 86400.0
+    # Tests whose failure pauses publishing until they pass again (default: the
+    # mechanism's, `MechanismSpec.fail_closed`).
     fail_closed: tuple[str, ...]
-    port: int
-    queries: tuple[Mapping[str, Any], ...]
+    port: int = 6066  # the consumer's web port
+    # Standing queries: [{where = {sex = "Male"}, value = {occupation = "Craft-repair"}}].
+    queries: tuple[Mapping[str, Any], ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StreamConfig:
-    """Everything a worker, producer or consumer of one stream needs, validated."""
+    """Everything a worker, producer or consumer of one stream needs, validated. A setting
+    left out of the file takes the default written on its field here."""
 
     source: str
+    # [stream]
+    # Topics <name>.raw, .published, .rejected and .reports (a personal stream's also
+    # .grouped, internal: its raw records repartitioned by group, as private as .raw);
+    # stream.topics may rename each.
     name: str
-    mechanism: str
-    partitions: int
-    max_wait: float
-    mixing_pool: int
-    flush_interval: float
-    buffer_cap: int
-    small_remainder: str
-    closed_retention: float
-    report_interval: float
-    batch_size: int
-    batch_wait: float
-    record_ttl: float | None
+    mechanism: str  # decoy, personal, or windowed (a batch mechanism on each window)
     topics: Mapping[str, str]
-    key_env: str | None
-    key_file: Path | None
-    kafka: KafkaSettings
-    redis_url: str
-    redis_password_env: str | None
-    redis_username: str | None
-    redis_tls: Mapping[str, Path]
-    redis_cluster: bool
-    redis_replica_acks: int
-    schema: Schema
-    decoy: DecoySettings | None
-    personal: PersonalSettings | None
-    reports: ReportSettings
+    # Of every topic (at most 1,024); one worker can own several, and one partition moves
+    # tens of thousands of records a second.
+    partitions: int = 1
+    # Seconds a record may wait for its group (decoy: then it is suppressed; a slow survey
+    # needs minutes to hours).
+    max_wait: float = 30.0
+    # The mixing pool's floor, in records (decoy: at least 10 groups of γ): the pool never
+    # holds fewer while it releases, so a published record's neighbours are its group-mates
+    # with probability at most (γ-1)/floor; records wait until it fills (about floor /
+    # arrival rate), or until the stream closes (`splu close`).
+    mixing_pool: int = 1000
+    # Seconds without new pooled records after which a pool holding at least its floor is
+    # released whole.
+    flush_interval: float = 5.0
+    # Records per partition (waiting and pooled) before consumption pauses; at least twice
+    # mixing_pool.
+    buffer_cap: int = 100_000
+    # At the close, the remainders below every partition's floor leave together; if all of
+    # them hold fewer than 10 groups (the minimum mixing), "suppress" them, counted, or
+    # "publish" them, the take's weaker guarantee reported.
+    small_remainder: str = "suppress"
+    # Seconds after a partition's close that what it still keeps of true values (personal
+    # group state, suppression counts) and record fingerprints expire.
+    closed_retention: float = 86400.0
+    report_interval: float = 30.0  # seconds between privacy reports
+    batch_size: int = 2000  # raw records per batch (at most MAX_BATCH_SIZE)
+    batch_wait: float = 0.2  # seconds to wait for a batch to fill
+    # Optional: raw buffered records (not yet randomized) expire this long after a worker
+    # last touched their partition; at least 60 s and twice max_wait. Randomized records
+    # (pooled, in flight) never expire: they are published.
+    record_ttl: float | None = None
+    # [key]: the service key (64 hex characters) from the variable key.env names, or from
+    # key.file, readable by its owner only; never written in the config.
+    key_env: str | None = None
+    key_file: Path | None = None
+    kafka: KafkaSettings  # [kafka], `service.core.kafka_settings`
+    # [redis], each but the TLS files overridden by its variable: REDIS_URL (rediss:// for
+    # TLS), REDIS_CLUSTER (a Redis Cluster, the url naming any node), REDIS_USERNAME (an
+    # ACL user, `service.store.buffer.acl_rules`); the password from the variable
+    # redis.password_env names, never written in the config.
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_password_env: str | None = None
+    redis_username: str | None = None
+    # redis.ca_file, cert_file and key_file (paths relative to the config) as redis-py's
+    # TLS arguments (`TLS_FILES`).
+    redis_tls: Mapping[str, Path] = field(default_factory=dict)
+    redis_cluster: bool = False
+    redis_replica_acks: int = 0  # replicas holding a write before it is relied on (WAIT)
+    schema: Schema  # [schema], `service.core.schema`
+    # The table of the stream's kind (`service.core.mechanism_settings`); the others None.
+    decoy: DecoySettings | None = None
+    personal: PersonalSettings | None = None
     windowed: WindowedSettings | None = None
+    reports: ReportSettings  # [reports]
 
     @property
     def sensitive(self) -> list[str]:
@@ -299,6 +233,11 @@ class StreamConfig:
         return options
 
 
+# Defaults a survey gets when its config leaves them out (`splu plan` sizes a stream).
+DEFAULT_PARTITIONS = StreamConfig.partitions
+DEFAULT_MIXING_POOL = StreamConfig.mixing_pool
+
+
 def _parse_key(text: str, where: str) -> ServiceKey:
     try:
         secret = bytes.fromhex(text.strip())
@@ -342,17 +281,20 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
     topics_reader.finish()
     if len(set(topics.values())) != len(topics):
         raise stream.fail("topics", f"must name {len(topics)} different topics")
+    d = StreamConfig
     settings = {
-        "partitions": stream.integer("partitions", DEFAULT_PARTITIONS, maximum=1024),
-        "max_wait": stream.number("max_wait", 30.0),
-        "mixing_pool": stream.integer("mixing_pool", DEFAULT_MIXING_POOL),
-        "flush_interval": stream.number("flush_interval", 5.0),
-        "buffer_cap": stream.integer("buffer_cap", 100_000),
-        "small_remainder": stream.text("small_remainder", "suppress", choices=SMALL_REMAINDER),
-        "closed_retention": stream.number("closed_retention", 86400.0),
-        "report_interval": stream.number("report_interval", 30.0),
-        "batch_size": stream.integer("batch_size", 2000, maximum=MAX_BATCH_SIZE),
-        "batch_wait": stream.number("batch_wait", 0.2),
+        "partitions": stream.integer("partitions", d.partitions, maximum=1024),
+        "max_wait": stream.number("max_wait", d.max_wait),
+        "mixing_pool": stream.integer("mixing_pool", d.mixing_pool),
+        "flush_interval": stream.number("flush_interval", d.flush_interval),
+        "buffer_cap": stream.integer("buffer_cap", d.buffer_cap),
+        "small_remainder": stream.text(
+            "small_remainder", d.small_remainder, choices=SMALL_REMAINDER
+        ),
+        "closed_retention": stream.number("closed_retention", d.closed_retention),
+        "report_interval": stream.number("report_interval", d.report_interval),
+        "batch_size": stream.integer("batch_size", d.batch_size, maximum=MAX_BATCH_SIZE),
+        "batch_wait": stream.number("batch_wait", d.batch_wait),
         "record_ttl": stream.number("record_ttl") if stream.get("record_ttl") else None,
     }
     stream.finish()
@@ -370,24 +312,21 @@ def parse_config(document: Mapping[str, Any], source: str, base: Path) -> Stream
     key.finish()
 
     kafka = table_of(source, document, "kafka", required=False)
-    redis = table_of(source, document, "redis", required=False)
-    redis_url = (
-        redis.text("url", "redis://127.0.0.1:6379/0") if redis else "redis://127.0.0.1:6379/0"
-    )
+    redis = table_of(source, document, "redis", required=False) or TableReader(source, {}, "redis")
+    redis_url = redis.text("url", d.redis_url)
     password_env = username = None
     tls: dict[str, Path] = {}
-    cluster = redis.flag("cluster") if redis else False
-    replica_acks = redis.integer("replica_acks", 0, minimum=0, maximum=16) if redis else 0
-    if redis:
-        redis.refuse_password("name the environment variable holding it (password_env)")
-        if redis.get("password_env") is not None:
-            password_env = redis.text("password_env")
-        if redis.get("username") is not None:
-            username = redis.text("username")
-        for option, argument in TLS_FILES.items():
-            if redis.get(option) is not None:
-                tls[argument] = base / redis.text(option)
-        redis.finish()
+    cluster = redis.flag("cluster", d.redis_cluster)
+    replica_acks = redis.integer("replica_acks", d.redis_replica_acks, minimum=0, maximum=16)
+    redis.refuse_password("name the environment variable holding it (password_env)")
+    if redis.get("password_env") is not None:
+        password_env = redis.text("password_env")
+    if redis.get("username") is not None:
+        username = redis.text("username")
+    for option, argument in TLS_FILES.items():
+        if redis.get(option) is not None:
+            tls[argument] = base / redis.text(option)
+    redis.finish()
     redis_url = os.environ.get("REDIS_URL", redis_url)
     cluster = env_flag(REDIS_CLUSTER_ENV, cluster)
     if tls and not redis_url.startswith("rediss://"):
@@ -476,10 +415,11 @@ def _report_settings(
     table = table_of(source, document, "reports", required=False) or TableReader(
         source, {}, "reports"
     )
-    epsilon = table.number("epsilon", 0.3)
-    tolerance = table.number("error_tolerance", 0.02)
-    min_privacy = table.number("min_privacy", 0.1)
-    max_suppressed = table.number("max_suppressed", 0.01, positive=False)
+    d = ReportSettings
+    epsilon = table.number("epsilon", d.epsilon)
+    tolerance = table.number("error_tolerance", d.error_tolerance)
+    min_privacy = table.number("min_privacy", d.min_privacy)
+    max_suppressed = table.number("max_suppressed", d.max_suppressed, positive=False)
     for key, value in (("error_tolerance", tolerance), ("min_privacy", min_privacy)):
         if not value < 1:
             raise table.fail(key, f"must lie in (0, 1), got {value}")
@@ -509,17 +449,17 @@ def _report_settings(
         _check_standing_query(table, number, query, schema)
     settings = ReportSettings(
         epsilon=epsilon,
-        alpha=table.integer("alpha", 10),
+        alpha=table.integer("alpha", d.alpha),
         error_tolerance=tolerance,
         min_privacy=min_privacy,
         max_suppressed=max_suppressed,
-        min_rows=table.integer("min_rows", 20),
-        large_count=table.integer("large_count", 100),
+        min_rows=table.integer("min_rows", d.min_rows),
+        large_count=table.integer("large_count", d.large_count),
         max_small_within=small,
         dp_epsilon=dp_epsilon,
-        truth_retention=table.number("truth_retention", 86400.0),
+        truth_retention=table.number("truth_retention", d.truth_retention),
         fail_closed=tuple(fail_closed),
-        port=table.integer("port", 6066, minimum=0, maximum=65535),
+        port=table.integer("port", d.port, minimum=0, maximum=65535),
         queries=tuple(queries),
     )
     table.finish()

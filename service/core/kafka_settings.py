@@ -36,15 +36,24 @@ def kafka_setting(key: str) -> str:
 class KafkaSettings:
     """Where the brokers are and how every Kafka client of a process reaches them
     (`streams.runtime.kafka.client_options`): TLS with verification, SASL with the role's own
-    principal. The password is read when a client is built, never kept here."""
+    principal. The password is read when a client is built, never kept here. Each setting
+    is overridden by the variable `KAFKA_ENV` names beside it; file paths are relative to
+    the config."""
 
-    bootstrap: str
+    bootstrap: str  # host:port[,host:port...] (left out: DEFAULT_BOOTSTRAP)
+    # PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL (`streams.runtime.kafka`).
     security_protocol: str = "PLAINTEXT"
+    # TLS: the CA that signed the brokers' certificates (left out: the system's CAs);
+    # certificates and host names are always verified.
     ca_file: Path | None = None
-    cert_file: Path | None = None
+    cert_file: Path | None = None  # mutual TLS: the client's certificate and key
     key_file: Path | None = None
-    sasl_mechanism: str | None = None
+    sasl_mechanism: str | None = None  # PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512; with SASL_*
+    # The role's own principal (README: the ACL table, `streams.runtime.kafka.topic_grants`).
     username: str | None = None
+    # The variable holding the password, or a file readable by its owner only;
+    # KAFKA_PASSWORD, if set, is the password and overrides both. A password is never
+    # written in the config.
     password_env: str | None = None
     password_file: Path | None = None
     source: str = "the environment"

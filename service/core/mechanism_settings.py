@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -27,18 +27,32 @@ WINDOWED = "windowed"
 
 @dataclass(frozen=True)
 class DecoySettings:
-    gamma: int
-    grouping: str
+    """[decoy]: decoy groups (SPEC §2.1)."""
+
+    gamma: int = 5  # group size γ: each sensitive attribute needs γ values
+    # The cutting rule. Anatomy's is a batch comparison (`splu publish --grouping
+    # anatomy`); streams cut with the size-weighted rule only.
+    grouping: str = "size-weighted"
 
 
 @dataclass(frozen=True)
 class PersonalSettings:
-    retention: float
-    lam: float
-    delta: float
-    budget: str
-    release_size: int
-    value_map: ValueMap
+    """[personal]: personal groups (SPEC §2.2)."""
+
+    retention: float = 0.5  # p: a record keeps its value with this probability
+    lam: float = 0.3  # λ (the key `lambda`) and δ: the trial limit of each group
+    delta: float = 0.3
+    # Trials planned with an upper confidence bound on each group's final largest
+    # frequency (docs/architecture.md); "conservative" plans with frequency 1, safe under
+    # any drift but less accurate; "adaptive" with the frequency so far, overrun when it
+    # drifts; "none": plain perturbation.
+    budget: str = "bounded"
+    release_size: int = 100  # records a group releases at once (or after max_wait)
+    # merge_map (optional, relative to the config; `splu merge` fits one): public values
+    # merged into larger groups, so each group allows more trials. Without it every public
+    # combination is a group of its own: safe, but small groups publish more copies and
+    # fewer trials.
+    value_map: ValueMap = field(kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -50,21 +64,23 @@ class WindowedSettings:
     β as exact Fractions.
     """
 
-    mechanism: str
-    window: int
-    max_window_wait: float
-    min_window: int
-    options: Mapping[str, Any]
+    mechanism: str  # sdr, fprivacy, anatomy, dbr or global
+    window: int = 1000  # records per window, per partition
+    max_window_wait: float = 60.0  # seconds after which a partial window closes
+    # A partial window with fewer records is suppressed (left out: a tenth of window).
+    min_window: int = 0
+    # Then the mechanism's options, named and defaulted as the `splu publish` flags
+    # (gamma; rho1, rho2, delta; theta, beta, max_size, min_size, bucket_method,
+    # fake_values). Exact numbers may be written as ratios: rho1 = "1/13".
+    options: Mapping[str, Any] = field(default_factory=dict)
 
 
 def _decoy_settings(
     source: str, name: str, document: Mapping[str, Any], schema: Schema, base: Path
 ) -> DecoySettings:
     table = table_of(source, document, name, required=False) or TableReader(source, {}, name)
-    gamma = table.integer("gamma", 5, minimum=2)
-    # Anatomy's rule is a batch comparison (`splu publish --grouping anatomy`); streams cut
-    # with the size-weighted rule only.
-    grouping = table.text("grouping", "size-weighted", choices=("size-weighted",))
+    gamma = table.integer("gamma", DecoySettings.gamma, minimum=2)
+    grouping = table.text("grouping", DecoySettings.grouping, choices=(DecoySettings.grouping,))
     table.finish()
     for attribute in schema.sensitive:
         if attribute.size < gamma:
@@ -82,8 +98,8 @@ def _windowed_settings(
     assert table is not None
     mechanism = table.text("mechanism", choices=BATCH_ONLY)
     spec = MECHANISMS[mechanism]
-    window = table.integer("window", 1000)
-    max_window_wait = table.number("max_window_wait", 60.0)
+    window = table.integer("window", WindowedSettings.window)
+    max_window_wait = table.number("max_window_wait", WindowedSettings.max_window_wait)
     min_window = table.integer("min_window", -(-window // 10))
     if min_window > window:
         raise table.fail(
@@ -144,11 +160,11 @@ def _personal_settings(
             f"attribute, got {len(schema.sensitive)}"
         )
     attribute = schema.sensitive[0]
-    retention = table.number("retention", 0.5)
-    lam = table.number("lambda", 0.3)
-    delta = table.number("delta", 0.3)
-    budget = table.text("budget", "bounded", choices=STREAM_BUDGETS)
-    release_size = table.integer("release_size", 100)
+    retention = table.number("retention", PersonalSettings.retention)
+    lam = table.number("lambda", PersonalSettings.lam)
+    delta = table.number("delta", PersonalSettings.delta)
+    budget = table.text("budget", PersonalSettings.budget, choices=STREAM_BUDGETS)
+    release_size = table.integer("release_size", PersonalSettings.release_size)
     map_name = table.text("merge_map") if table.get("merge_map") is not None else None
     table.finish()
     if attribute.size < 2:
@@ -168,9 +184,8 @@ def _personal_settings(
             f"one: lower retention or lambda, or raise delta"
         )
     if map_name is None:
-        return PersonalSettings(
-            retention, lam, delta, budget, release_size, ValueMap.identity(attribute)
-        )
+        value_map = ValueMap.identity(attribute)
+        return PersonalSettings(retention, lam, delta, budget, release_size, value_map=value_map)
     try:
         value_map = ValueMap.load(base / map_name)
     except SchemaError as err:
@@ -180,7 +195,7 @@ def _personal_settings(
             f"{source}: personal.merge_map was fitted for {value_map.sensitive!r}, "
             f"not {attribute.name!r}"
         )
-    return PersonalSettings(retention, lam, delta, budget, release_size, value_map)
+    return PersonalSettings(retention, lam, delta, budget, release_size, value_map=value_map)
 
 
 # Each kind of stream reads its settings from the table of its name.

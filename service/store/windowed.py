@@ -3,7 +3,7 @@
 A stream with ``stream.mechanism = "windowed"`` cuts each raw partition into
 *windows* of ``windowed.window`` records and publishes every window with one of
 the batch mechanisms of ``splu publish``: ``sdr``, ``fprivacy``, ``anatomy``,
-``dbr`` or ``global`` (`service.core.publication.BATCH_PUBLISHERS`, the very code the
+``dbr`` or ``global`` (their publishers in `service.core.mechanisms.registry`, the very code the
 CLI runs, with the same option names and defaults). The worker is
 `streams/worker/windowed.py`; this module holds its Redis buffer, and
 `service.core.windows` turns a window into messages (`render_window`).
