@@ -106,8 +106,8 @@ def acl_rules(config: StreamConfig, role: str) -> str:
         keys = f"~splu:{{{stream}:* ~splu:{{{stream}}}:*"
         return f"reset on resetchannels {keys} {commands} +info"
     reads = " ".join(f"%R~splu:{{{stream}:*}}:{key}" for key in CONSUMER_READS)
-    # Its own counts ("consumer*": its shards, and the place of an earlier version's counts,
-    # to refuse them), and what the worker tells it: the pause flag, the close, the audit.
+    # Its own counts ("consumer*": one shard per published partition), and what the worker
+    # tells it: the pause flag, the close, the audit.
     own = f"~splu:{{{stream}:consumer*" + "".join(
         f" %R~splu:{{{stream}}}:{key}" for key in ("paused", "close", "audit")
     )
