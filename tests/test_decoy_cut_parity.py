@@ -21,6 +21,8 @@ asserted here:
   so every cut takes them all), the two partitions and published values are identical;
 - in law: the share of cuts that take each value matches the successive-sampling inclusion
   probability of the state it was cut from (`inclusion_z`), for both sides;
+- fed raw, a value over its share: both take its smallest ids, though the online Lua
+  cut may stop a few groups short of the batch's;
 - where no group can be cut (fewer than γ distinct values) neither groups a record, and the
   Lua step suppresses them all once they waited past max_wait.
 """
@@ -286,3 +288,28 @@ def test_neither_side_groups_values_that_cannot_fill_a_group(servers):
     assert not kept.any()
     lua = lua_cut(servers.redis_url, GAMMA, ids, values)
     assert lua.groups == [] and lua.suppressed == n
+
+
+@pytest.mark.parametrize("n", SIZES[1:])
+def test_a_value_over_its_share_is_cut_from_its_smallest_ids_on_both_sides(servers, n):
+    """Half the records hold one value, fed raw. The batch cut keeps that value's
+    smallest ids up to its share and trims N to a multiple of γ from the largest ids;
+    the stream cuts while γ values wait, the value in every group (it stays at or over
+    its share), and leaves the rest waiting (later arrivals could still group them),
+    then suppresses them past max_wait. So the group counts may differ, but on both
+    sides the value's grouped ids are its smallest, and no record is lost."""
+    rng = np.random.default_rng(n)
+    ids, values = random_ids(n, KEY), values_of("dominant", n, rng)
+    kept, _, _ = DecoyGroups(GAMMA).eligible_rows(ids, {PURPOSE: values})
+    lua = lua_cut(servers.redis_url, GAMMA, ids, values)
+    names = np.asarray(id_hex(ids))
+    dominant = sorted(names[values == 0].tolist())
+    grouped = {m for _, members in lua.groups for m in members}
+    lua_dominant = sorted(grouped & set(dominant))
+    python_dominant = sorted(names[kept & (values == 0)].tolist())
+    assert lua.groups and all(0 in group for group, _ in lua.groups)
+    assert lua_dominant == dominant[: len(lua.groups)]
+    assert python_dominant == dominant[: len(python_dominant)]
+    # Each group takes γ − 1 records of the other values.
+    assert len(lua.groups) <= (n - len(dominant)) // (GAMMA - 1)
+    assert lua.suppressed == n - GAMMA * len(lua.groups)
