@@ -9,7 +9,7 @@ marital_status, education; sensitive: occupation; γ = 5):
   and the same for ``grouping="anatomy"`` for comparison. Reading the input CSV
   (Arrow's parser, the csv module where it must) and writing the published CSV
   are timed on their own, and so is the csv module reading the whole file row by
-  row, as before issue 18 (no targets).
+  row (``read_table_exact``, the reference the fast reader matches; no targets).
 - ``splu publish`` end to end: the real CLI, ``service.cli.batch.main``, on the input
   CSV of --rows records (read, scan the schema, encode, publish, write the
   published CSV; target ≤ 1.5 s).
@@ -182,7 +182,7 @@ def main() -> None:
 
         log("reading the input CSV (as splu publish does: scan schema, encode)")
         read_time = median_seconds(read_input, args.repeats, "read input")
-        log("reading it row by row with the csv module (before issue 18, for comparison)")
+        log("reading it row by row with the csv module (the reference reader, for comparison)")
         exact_time = median_seconds(
             lambda: read_input(read_table_exact), args.repeats, "read input, csv module"
         )

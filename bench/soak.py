@@ -61,15 +61,12 @@ each a child process.
   published or suppressed and the consumer counted every published record, and prints
   the account.
 
-Default rate: 3,000 records/s (DEFAULT_RATE), fixed so that soaks compare across runs:
-60% of the ~5,000 records/s pipeline capacity before the bulk path of issue 13, under 10%
-of the ~50,000 ``bench/stream_throughput.py`` measures while a stream flows since. Here the
-consumer and the producer share the same two cores and the same single-threaded Redis;
-measured by this script at 3,000 records/s (steady phase, 2026-11-26), a record costs
-about 21 µs of worker CPU, 102 µs of consumer CPU (45 µs on 2026-11-25, before the
-consumer counted windowed streams and served Prometheus metrics; not yet explained), 40 µs
-of Redis, 17 µs of broker and 16 µs of producer: about 200 µs, under half a core. Fetches
-are small at this rate, so per-fetch costs weigh
+Default rate: 3,000 records/s (DEFAULT_RATE), fixed so that soaks compare across runs,
+and far below the pipeline capacity ``bench/stream_throughput.py`` measures (CAPACITY):
+here the worker, the consumer, the producer and the broker share two cores and one
+single-threaded Redis, and a soak is about memory, so the machine must keep up with
+room to spare. The CPU each process spends per record at this rate is in
+docs/performance.md (*Soak*). Fetches are small at this rate, so per-fetch costs weigh
 more than in the throughput benchmark. The backlog table says whether the machine kept up
 (a machine busy with other work may not: lower --rate). Redis used_memory grows by design
 in an unwindowed run: every record id and published token keeps its fingerprint for the
@@ -131,8 +128,7 @@ from streams.runtime.topics import create_topics
 from streams.tools.produce import produce
 
 CAPACITY = 50_000.0  # records/s while the stream flows: bench/stream_throughput.py, 2 cores
-# Fixed, so that soaks compare across runs (it was 60% of the capacity of 5,000 records/s
-# measured before the bulk path of issue 13).
+# Fixed, so that soaks compare across runs.
 DEFAULT_RATE = 3000.0
 FLAT_TOLERANCE = 0.01  # share of the level per minute
 KEEP_UP = 0.01  # a backlog may grow by this share of the records produced

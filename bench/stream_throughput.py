@@ -151,9 +151,9 @@ MEMORY_MAX_WAIT = 3600.0
 ANCHOR_SHARE = 0.5  # pipeline and consumer throughput, at least this share of the anchor's
 WORKER_CPU_TARGET = 40.0  # µs of worker CPU per record
 BYTES_TARGET = 400.0
-# Default paced rate, as a share of the measured pipeline throughput. At 0.8 the backlog grew
-# through the run: the producer then shares the two cores, and paced batches are smaller than
-# those a backlog fills.
+# Default paced rate, as a share of the measured pipeline throughput: well below 1, as the
+# producer then shares the two cores and paced batches are smaller than those a backlog
+# fills, and a backlog would add queueing to the delays (docs/performance.md, *Paced delay*).
 PACED_SHARE = 0.6
 FIRST_POLL = 0.05  # seconds between polls until a phase's first record
 POLL = 0.25  # seconds between progress polls afterwards

@@ -2,7 +2,7 @@
 
 The bound (`service.core.guarantees.share_upper_bound`, `service/store/lua/bound.lua`) against
 scipy's Clopper–Pearson quantile; the Lua budget on a drifting stream at a virtual
-clock, where the old adaptive budget overruns and the bounded one does not; and the
+clock, where the adaptive budget overruns and the bounded one does not; and the
 same drifting stream, and Adult, through the worker on the embedded servers.
 """
 
@@ -220,7 +220,7 @@ def worker_groups(harness: Harness, rows: list[tuple[bytes, bytes]]) -> dict:
 @pytest.mark.parametrize(("mode", "safe"), [("bounded", True), ("adaptive", False)])
 def test_drifting_stream_through_the_worker(servers, tmp_path, mode, safe):
     """The drifting stream on the real pipeline: the default budget leaves no group over
-    its limit at its final frequency; the old adaptive one does (so this test can fail)."""
+    its limit at its final frequency; the adaptive one does (so this test can fail)."""
     harness = Harness(
         servers, tmp_path, "adult-personal.toml", row_column=False, personal={"budget": mode}
     )

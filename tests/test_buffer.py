@@ -458,24 +458,6 @@ def test_adversary_truth_counts_published_records_only_and_expires(servers, exam
     assert len(expiry) == 1 and all(0 < ttl <= 2 * retention for ttl in expiry)
 
 
-def test_truth_leaves_out_cells_of_the_tally_that_had_no_published_side(servers):
-    """Workers before the joint tally kept true cells ("public|true") in :truth:<e> and
-    published cells in :shown:<e>: such a cell, alone, would count a record on one side."""
-    config = stream_config("adult-decoy.toml", partitions=1)
-
-    async def scenario():
-        client = aioredis.from_url(servers.redis_url)
-        buffer = StreamBuffer(client, config, KEY)
-        prefix = buffer.prefix(0)
-        await client.hset(f"{prefix}:stats", "truth_epoch", 7)
-        await client.hset(f"{prefix}:truth:7", mapping={b"1,2|3": 4, b"1,2|5|3": 2})
-        tallies = await TrustedState(client, config).truth()
-        await client.aclose()
-        return tallies
-
-    assert run(scenario()) == ({b"1,2|3": 2}, {b"1,2|5": 2})
-
-
 @pytest.mark.parametrize("example", ["adult-decoy.toml", "adult-personal.toml"])
 def test_record_ids_are_recognised_at_any_age_in_bounded_memory(servers, example):
     """A record id seen once is recognised forever (a producer's re-send a year later, on

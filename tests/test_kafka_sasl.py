@@ -4,7 +4,7 @@
 The embedded broker (tansu 0.6) takes no SASL mechanism without `--authentication`,
 and with it only SCRAM logins of users held in its storage, which memory storage
 starts empty and which only a logged-in client may add. So a SASL login can only be
-refused here; a successful one, and the ACLs, need a production broker (README,
+refused here; a successful one, and the ACLs, need a production broker (docs/security.md,
 *Kafka: TLS, SASL and each role's ACLs*). What the embedded broker can show:
 
 - every mechanism against a broker that takes none, and a SCRAM login the broker

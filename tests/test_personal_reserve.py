@@ -1,6 +1,7 @@
 """Reserve trials (issue 32): a personal stream publishes no value without a trial of it.
 
-The worst order for the old rule, through the real pipeline (`splu run` on the embedded
+The worst arrival order for a budget that spends trials on the first arrivals, through
+the real pipeline (`splu run` on the embedded
 servers: producer, worker, consumer, close): Adult's occupation (m = 14) with public sex
 and race merged to White / non-White (4 groups), every record of a rare occupation
 (Armed-Forces, Priv-house-serv, Protective-serv) arriving after every common one, so
@@ -12,9 +13,9 @@ after its group's trial budget is spent. Retention 0.999 isolates bias from nois
   estimator's under the trials the stream actually spent: Var X̂_v = Σ_g Σ_u π_u(1 − π_u)
   S_gu / p², π_u = a for u = v and b otherwise, S_gu the sum of squared copy counts of
   the N_gu rows of stratum (g, u) over its n_gu trials, in turn (read from Redis as the
-  trusted zone may). The old rule, which spent every trial on the first arrivals and had
-  the rare values copy other values' trials, loses about 100% of them (−972 of
-  Protective-serv's 972).
+  trusted zone may). A rule that spent every trial on the first arrivals and had the
+  rare values copy other values' trials would lose nearly all of them, far outside
+  that bound.
 - No row borrows: every limit is above m. The consumer's report says so.
 - A group frozen by a drift past its bound, then given a value it never held, publishes
   that value's records as borrowed copies: counted in the group's tally, and reported as

@@ -1,12 +1,12 @@
-"""The worker's preparation, made faster for issue 13, gives byte for byte what it gave.
+"""The worker's vectorized preparation gives byte for byte what a plain one gives.
 
-`ReferencePreparer` below is `service.core.ingest.Preparer` as it was before (per-record dict
-parse and key count, per-row hashing and joins). Both prepare the same messages, from
-resampled Adult records written in several ways to the fuzz tests' odd and arbitrary
-messages, and everything a batch carries must be equal: the accepted/rejected split, the
-rejection reasons and payloads, dedup keys, fingerprints, ids, public bytes, sensitive
-codes, draws, personal groups and perturbed values; so must the published JSON of pool
-entries, odd ones included.
+`ReferencePreparer` below prepares record by record (per-record dict parse and key
+count, per-row hashing and joins): slow, and simple enough to read as the definition.
+Both prepare the same messages, from resampled Adult records written in several ways to
+the fuzz tests' odd and arbitrary messages, and everything a batch carries must be equal:
+the accepted/rejected split, the rejection reasons and payloads, dedup keys,
+fingerprints, ids, public bytes, sensitive codes, draws, personal groups and perturbed
+values; so must the published JSON of pool entries, odd ones included.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def reference_ids(key: ServiceKey, names: list[bytes]) -> np.ndarray:
 
 
 class ReferencePreparer:
-    """`service.core.ingest.Preparer` as it was before issue 13, verbatim but for `ids_for`."""
+    """`service.core.ingest.Preparer`, record by record: the reference its batch paths match."""
 
     def __init__(self, config: StreamConfig, key: ServiceKey) -> None:
         self.config = config
@@ -162,7 +162,7 @@ class ReferencePreparer:
                 out[rows[j]] = list(row)
         return out
 
-    # Unchanged by issue 13: the exact path, and how pool entries are read.
+    # Shared with Preparer, not re-derived: the exact path, and how pool entries are read.
     _validate = Preparer._validate
     codes_of = Preparer.codes_of
     decode = Preparer.decode

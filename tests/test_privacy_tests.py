@@ -26,7 +26,7 @@ from service.core.privacy_tests import adversary, budget, eligibility, guarantee
 from service.core.published import CellCodec, PublishedRecordError
 from service.core.reconstruct import PublishedCells
 from service.core.table import open_sample, read_table
-from service.store.running_counts import LegacyCountsError, RunningCounts
+from service.store.running_counts import RunningCounts
 from streams.runtime.metrics import (
     delay_histogram,
     histogram_quantile,
@@ -247,24 +247,3 @@ def test_consumer_counts_each_token_once_at_any_age_in_bounded_memory(servers):
     assert sum(len(entries) for entries in seen.values()) == 6 * 3006
     assert tally == {b"0,0,0,0,0|1": 2, b"1,0,0,0,0|2": 3, b"2,0,0,0,0|3": 3002}
     assert stats["records"] == 3007 and stats["duplicates"] == 4
-
-
-@pytest.mark.redis
-def test_consumer_refuses_counts_kept_in_one_place_by_an_earlier_version(servers):
-    """Counts of an earlier version, unsharded, with the consumer group's offsets past them:
-    starting over them would show only what comes next, so the consumer refuses and says
-    how to count again."""
-    config = example("adult-decoy.toml")
-
-    async def scenario() -> None:
-        client = aioredis.from_url(servers.redis_url)
-        counts = RunningCounts(client, config)
-        try:
-            await counts.check_layout()
-            await client.hset(f"splu:{{{config.name}:consumer}}:stats", "records", 7)
-            with pytest.raises(LegacyCountsError, match="--reset-offsets --to-earliest"):
-                await counts.check_layout()
-        finally:
-            await client.aclose()
-
-    asyncio.run(scenario())

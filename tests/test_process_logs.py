@@ -1,6 +1,6 @@
 """What a worker and a consumer write to a log file is text: Faust's start-up spinner,
-which draws on a terminal, writes nothing there (it used to hide and show the cursor with
-terminal codes, ``\\x1b[?25l``, whatever its output was)."""
+which draws on a terminal, writes nothing there (no terminal codes such as the cursor's
+``\\x1b[?25l``, which would garble a log file whatever the spinner's output)."""
 
 from __future__ import annotations
 

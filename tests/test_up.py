@@ -1,8 +1,8 @@
-"""The README's stream section, as written, against `splu up` on a fresh machine.
+"""docs/streaming.md's stream section, as written, against `splu up` on a fresh machine.
 
 `splu up` runs in the foreground and prints two export lines (three with
 `--redis-cluster 3`, which runs a Redis Cluster); the worker, the
-consumer and the producer run as the README shows them, with those variables and the
+consumer and the producer run as docs/streaming.md shows them, with those variables and the
 example config; `/estimate` answers; `splu close` ends the survey and publishes what the
 mixing floors held. Then Ctrl-C stops `splu up`, and nothing it
 started is left running (this process is a subreaper, so an orphan would show up as
@@ -55,7 +55,7 @@ def exports(process: subprocess.Popen, count: int) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("cluster", [False, True], ids=["redis", "redis-cluster"])
-def test_up_then_the_readme_stream_section_then_ctrl_c_leaves_nothing(tmp_path, cluster):
+def test_up_then_the_documented_stream_section_then_ctrl_c_leaves_nothing(tmp_path, cluster):
     """Also with `splu up --redis-cluster 3`: a third line, REDIS_CLUSTER=1, and the same
     commands work on the cluster; the worker serves its health pages."""
     libc = ctypes.CDLL(None, use_errno=True)

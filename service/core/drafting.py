@@ -49,8 +49,9 @@ MAX_CATEGORIES = 10
 MIN_BINS, MAX_BINS, ROWS_PER_BIN = 3, 8, 100
 # A column is numeric when at least this share of its rows hold a number.
 NUMERIC_SHARE = 0.9
-# Records/s one partition is sized for: one worker moved 12,000-21,000 records/s on 2
-# shared cores (docs/scaling.md), and a partition is read by one worker at a time.
+# Records/s one partition is sized for: a partition is read by one worker at a time, so
+# this stays well below what one worker moves (docs/scaling.md, *Capacity measured here*),
+# leaving headroom for bursts and a busy host.
 PARTITION_RATE = 5000.0
 # max_wait lets this many records arrive at a partition: a record of a value over its
 # share waits for other values to join it in a group.

@@ -68,7 +68,7 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
 
 class RawMessage(NamedTuple):
     """A raw record as consumed. A named tuple: the worker makes one per record, and a
-    frozen dataclass takes twice as long to build."""
+    tuple is the cheapest immutable record to build (docs/performance.md, *The worker*)."""
 
     partition: int
     offset: int

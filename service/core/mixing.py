@@ -21,7 +21,8 @@ its standard error grows like √N (issue 32).
 Size-weighted cuts (`service.core.mechanisms.decoy._size_weighted_cuts`, and the
 stream's `service/store/lua/decoy.lua`, which cuts the same way in each call) choose
 each group's values with probability proportional to bucket size. Their pairs
-follow, to within about 1% on census-like counts, the product form
+follow closely (tests/test_mixing.py holds them to it on census-like counts) the
+product form
 
     G(s, s′) = a_s·a_{s′} (s ≠ s′),   a_s·(A − a_s) = (γ − 1)·f_s,   A = Σ_k a_k,
 

@@ -9,9 +9,10 @@ be a second release of it, and averaging releases strips the small-count noise
 The PRF is AES-256 applied to a 128-bit record id under a per-purpose subkey.
 AES is a pseudo-random permutation; on distinct 128-bit inputs it is
 indistinguishable from a random function up to the birthday bound q²/2¹²⁹
-(PRP/PRF switching), which for q = 10⁹ records is below 10⁻²⁰. It runs about
-60× faster than per-record HMAC-SHA256 because numpy hands the whole id array
-to one AES call.
+(PRP/PRF switching), which for q = 10⁹ records is below 10⁻²⁰. AES rather than a
+per-record HMAC because numpy hands the whole id array to one AES call: the worker
+derives every record's id and draws this way, so the PRF's cost per record is the
+worker's (docs/performance.md, *Keyed PRF*).
 """
 
 from __future__ import annotations

@@ -82,8 +82,8 @@ def distinct_rows(
     """Distinct rows of integer code columns (codes < sizes), sorted.
 
     Returns (rows as a (k, c) array, each input row's index into them, counts).
-    Codes are folded into one mixed-radix key so a 1-D unique does the work; a
-    row-wise unique is an order of magnitude slower.
+    Codes are folded into one mixed-radix key so a 1-D unique does the work: a
+    row-wise unique sorts and compares whole rows.
     """
     n = len(columns[0]) if columns else 0
     if not columns:

@@ -126,9 +126,8 @@ class TrustedState(BufferState):
         records in both.
 
         Redis keeps one tally of "public|published|true" cells (acknowledge.lua): both
-        sides of a record in one cell, counted once. A cell of two fields was written by
-        a worker before that, in a tally of true cells whose published side is elsewhere:
-        left out, so the two sides still count the same records."""
+        sides of a record in one cell, counted once, so the two sides always count the
+        same records."""
         true: dict[bytes, int] = {}
         shown: dict[bytes, int] = {}
         for partition in [*range(self.config.partitions), FINAL_POOL]:
@@ -139,10 +138,7 @@ class TrustedState(BufferState):
             for number in (int(epoch) - 1, int(epoch)):
                 cells = await self.client.hgetall(f"{prefix}:truth:{number}")
                 for cell, count in cells.items():
-                    fields = cell.split(b"|")
-                    if len(fields) != 3:
-                        continue
-                    public, published, true_codes = fields
+                    public, published, true_codes = cell.split(b"|")
                     true_cell, shown_cell = public + b"|" + true_codes, public + b"|" + published
                     true[true_cell] = true.get(true_cell, 0) + int(count)
                     shown[shown_cell] = shown.get(shown_cell, 0) + int(count)

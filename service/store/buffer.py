@@ -106,8 +106,8 @@ def acl_rules(config: StreamConfig, role: str) -> str:
         keys = f"~splu:{{{stream}:* ~splu:{{{stream}}}:*"
         return f"reset on resetchannels {keys} {commands} +info"
     reads = " ".join(f"%R~splu:{{{stream}:*}}:{key}" for key in CONSUMER_READS)
-    # Its own counts ("consumer*": its shards, and the place of an earlier version's counts,
-    # to refuse them), and what the worker tells it: the pause flag, the close, the audit.
+    # Its own counts ("consumer*": one shard per published partition), and what the worker
+    # tells it: the pause flag, the close, the audit.
     own = f"~splu:{{{stream}:consumer*" + "".join(
         f" %R~splu:{{{stream}}}:{key}" for key in ("paused", "close", "audit")
     )
@@ -237,7 +237,7 @@ def _lua_list(values: tuple[int, ...]) -> str:
 
 def take_tokens(seed: str, count: int) -> tuple[str, str]:
     """What emit.lua hashes for a take of `count` records, hashed here instead: Redis is
-    the pipeline's busiest process, and SHA-1 in Lua cost it more than the rest of a take.
+    the pipeline's busiest process, and hashing would be most of its work in a take.
     The tokens, the first 32 hex digits of SHA-1(seed:t:j) for j = 1..count, and the
     shuffle's blocks, SHA-1(seed:k) for k = 1..ceil(count / 3) (three uniforms a block),
     each concatenated."""
@@ -506,8 +506,8 @@ class StreamBuffer(BufferState):
         record's fingerprint (12 bytes), then '|'-separated fields, ending in its offset if
         `offsets` are given.
 
-        One formatting step per record: the worker builds these for every record, and a
-        join per field cost it about as much as the Lua step costs Redis.
+        One formatting step per record: the worker builds these for every record, so a
+        join per field would be a cost per field per record.
         """
         if self.config.decoy is None:
             # A personal stream's grouped partitions keep fingerprints (ingest.lua).

@@ -29,10 +29,6 @@ class CountedBatch:
     side: int = 0
 
 
-class LegacyCountsError(RuntimeError):
-    """Counts kept by a consumer from before the counts were sharded by published partition."""
-
-
 class RunningCounts:
     """The consumer's published-cell counts and the tokens already counted, one shard per
     partition of ``<stream>.published`` (``splu:{<stream>:consumer:<partition>}``, a hash
@@ -93,17 +89,3 @@ class RunningCounts:
             for partition in range(self.partitions):
                 pipe.hgetall(f"{self.prefix(partition)}:{name}")
             return await pipe.execute()
-
-    async def check_layout(self) -> None:
-        """Raise LegacyCountsError if an earlier version's unsharded counts exist: a consumer
-        resuming from their committed offsets would count only what comes next."""
-        legacy = f"splu:{{{self.name}:consumer}}"
-        if await self.client.exists(f"{legacy}:stats"):
-            raise LegacyCountsError(
-                f"Redis holds counts of stream {self.name!r} from an earlier version "
-                f"({legacy}:*), kept in one place instead of per published partition. "
-                f"Count again from the topic: delete those keys and reset the consumer group "
-                f"splu-{self.name}-consumer to the earliest offsets (kafka-consumer-groups.sh "
-                f"--group splu-{self.name}-consumer --reset-offsets --to-earliest --all-topics "
-                "--execute), then start the consumer"
-            )

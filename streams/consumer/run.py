@@ -6,27 +6,16 @@ import tempfile
 from pathlib import Path
 
 from service.core.config import StreamConfig
-from service.store.buffer import connect
-from service.store.running_counts import RunningCounts
 from streams.consumer.app import create_consumer_app
 from streams.runtime.manifest import check_manifest
 from streams.runtime.process import StreamWorker, ensure_ready
 from streams.runtime.topics import run_in_thread
 
 
-async def refuse_legacy_counts(config: StreamConfig) -> None:
-    client = connect(config)
-    try:
-        await RunningCounts(client, config).check_layout()
-    finally:
-        await client.aclose()
-
-
 def run_consumer(config: StreamConfig, host: str, port: int, loglevel: str = "warning") -> None:
     """Run the stream's consumer and its web pages until it is stopped."""
     ensure_ready(config, "consumer")
     run_in_thread(check_manifest(config))
-    run_in_thread(refuse_legacy_counts(config))
     with tempfile.TemporaryDirectory(prefix=f"splu-{config.name}-consumer-") as datadir:
         app = create_consumer_app(config, Path(datadir), host, port)
         StreamWorker(app, loglevel=loglevel, quiet=True).execute_from_commandline()

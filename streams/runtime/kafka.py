@@ -14,7 +14,7 @@ raises "Unable to bootstrap" without it, so `diagnose` connects once more, step 
 (TCP, then TLS and a plaintext request, then SASL), to find it.
 
 `topic_grants` is each role's access to the stream's topics and consumer groups: the ACL
-table of the README and docs/architecture.md, granted by docker-compose.yml's kafka-init
+table of docs/security.md, granted by docker-compose.yml's kafka-init
 (tests/test_compose.py keeps the three equal), and the topics each process checks at its
 start.
 """

@@ -73,8 +73,8 @@ async def create_topics(
             raise BrokerRefusedError(
                 f"topic {result['topic']} does not exist at {kafka.bootstrap} or is not visible "
                 f"to {kafka.username or 'this client'}, which may not create it: have the "
-                "admin create the stream's topics and grant this role its ACLs (README: the "
-                "ACL table)"
+                "admin create the stream's topics and grant this role its ACLs (docs/security.md: "
+                "the ACL table)"
             )
         if error not in (kafka_errors.NoError, kafka_errors.TopicAlreadyExistsError):
             raise error(f"creating topic {result['topic']}: {result['error_message']}")

@@ -5,7 +5,7 @@
 group, nothing committed: from the beginning through the end offsets at the start), count
 each record once by its token and answer count queries exactly as the stream's consumer
 answers ``/estimate``. They need read access to the two topics and nothing else: no config
-file, no service key, no Redis (the reader role of the README's ACL table). A secured
+file, no service key, no Redis (the reader role of docs/security.md's ACL table). A secured
 cluster's settings come from the KAFKA_* variables a stream's config would override
 (`service.core.config`), or from a `KafkaSettings`. The counting and the answers are
 `service.core.manifest`::

@@ -2,13 +2,13 @@
 -- restarted worker re-sends them with the same tokens.
 --
 -- Each acknowledged record is counted, at this moment and not before, into the tally of
--- the adversary test (service/store/auditor.py, in the worker), ':truth:<epoch>' (public codes|published codes|true
--- sensitive codes), so it describes exactly the records published, however long a pause
--- held others back. One cell holds both sides of a record: the test's true and published
--- cells are its sums (service/store/buffer.py, BufferState.truth). An epoch lasts the retention
--- period; the current and the previous one are kept, older ones dropped, and each
--- expires by itself two periods after its last write, so exact tallies never outlive
--- their use even if no worker runs.
+-- the adversary test (service/store/auditor.py, in the worker), ':truth:<epoch>' (public
+-- codes|published codes|true sensitive codes), so it describes exactly the records
+-- published, however long a pause held others back. One cell holds both sides of a
+-- record: the test's true and published cells are its sums (TrustedState.truth). An
+-- epoch lasts the retention period; the current and the previous one are kept, older
+-- ones dropped, and each expires by itself two periods after its last write, so exact
+-- tallies never outlive their use even if no worker runs.
 --
 -- KEYS[1] the partition's key prefix; ARGV now_ms, retention (ms), the tokens (32 hex
 -- digits each) concatenated: one argument rather than one per record, for the client to

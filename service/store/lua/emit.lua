@@ -79,7 +79,7 @@ local uniform = sha1_uniforms(seed, 0, 12, given_blocks)
 -- reads only the positions it touches, by rank, instead of the whole pool each time:
 -- the same swaps on the same positions, so the same sample in the same order. A take
 -- touches up to 2 × count positions, and one ZRANGE per position costs Redis about as
--- much as reading 7 members in one (about 960 ns against 140 ns per member here).
+-- much as reading 7 members in one (docs/performance.md, *The mixing pool's take*).
 local members
 if 14 * count >= size then
   members = redis.call('ZRANGE', k_pool, 0, -1)
