@@ -82,7 +82,7 @@ class Harness:
         self.path = directory / f"{name}.toml"
         self.path.write_text(tomli_w.dumps(document))
         self.env = {**os.environ, "SPLU_SERVICE_KEY": secrets.token_hex(32)}
-        # The config names the servers; stream_env may have exported others here.
+        # The config names the servers; the environment may name others.
         for variable in ("KAFKA_BOOTSTRAP", "REDIS_URL", "REDIS_CLUSTER"):
             self.env.pop(variable, None)
         os.environ.pop("REDIS_CLUSTER", None)
