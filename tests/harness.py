@@ -13,6 +13,7 @@ import time
 import tomllib
 import uuid
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis.asyncio as aioredis
@@ -22,6 +23,7 @@ from aiokafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssigno
 from aiokafka.errors import KafkaError
 
 from deploy.embedded import free_port, spawn_consumer, spawn_worker
+from deploy.embedded.environments import SPLU
 from service.core.config import StreamConfig, load_config
 from service.core.ingest import PreparedBatch
 from service.core.table import open_sample
@@ -97,10 +99,11 @@ class Harness:
         """With a port, the worker serves /healthz, /readyz and /metrics there."""
         self.worker = spawn_worker(self.path, self.env, self.log, port=port)
 
-    def start_consumer(self) -> None:
+    def start_consumer(self, splu: Sequence[str] = SPLU) -> None:
+        """`splu`: the command that runs splu (`fault_points.command` for a fault point)."""
         port = int(self.url.rsplit(":", 1)[1])
         log = self.log.with_suffix(".consumer.log")
-        self.consumer = spawn_consumer(self.path, port, self.env, log)
+        self.consumer = spawn_consumer(self.path, port, self.env, log, splu=splu)
 
     def stop(self) -> None:
         for process in (self.consumer, self.worker):

@@ -42,6 +42,7 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
+import fault_points
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
@@ -57,7 +58,6 @@ from service.core.published import CellCodec
 from service.store.auditor import TrustedState
 from service.store.buffer import PoolEntry
 from service.store.running_counts import RunningCounts
-from streams.runtime.bulk import EXIT_FAULT, FAULT_EXIT_BEFORE_COMMIT, FAULT_TOPIC
 from streams.runtime.topics import create_topics
 from streams.tools.produce import produce
 
@@ -711,12 +711,12 @@ async def settled_totals(harness: Harness) -> dict[str, int]:
 @pytest.mark.parametrize("hop", ["raw", "grouped"])
 def test_a_kill_between_the_hops_loses_duplicates_and_rerandomizes_nothing(servers, tmp_path, hop):
     """A personal stream's worker ends right after a fetch's handler returned, before the
-    fetch's offsets are committed (`FAULT_TOPIC`): with `raw`, after the first hop, once
-    the broker acknowledged the fetch's copies on <stream>.grouped; with `grouped`, after
-    the second, once Redis stored the fetch's grouped records. A fresh worker reads them
-    again: the copies the first hop sends twice, and the grouped records stored twice, are
-    recognised, and each record is published once, with the value the key and the grouped
-    order give it."""
+    fetch's offsets are committed (`fault_points`, counting fetches of one topic): with
+    `raw`, after the first hop, once the broker acknowledged the fetch's copies on
+    <stream>.grouped; with `grouped`, after the second, once Redis stored the fetch's
+    grouped records. A fresh worker reads them again: the copies the first hop sends twice,
+    and the grouped records stored twice, are recognised, and each record is published
+    once, with the value the key and the grouped order give it."""
     harness = Harness(servers, tmp_path, "adult-personal.toml")
     config = harness.config
     group = f"splu-{config.name}"
@@ -726,13 +726,14 @@ def test_a_kill_between_the_hops_loses_duplicates_and_rerandomizes_nothing(serve
     topic = config.topics[hop]
     faulty = spawn_worker(
         harness.path,
-        {**harness.env, FAULT_EXIT_BEFORE_COMMIT: "2", FAULT_TOPIC: topic},
+        harness.env,
         harness.log,
+        splu=fault_points.command(exit_before_commit=2, topic=topic),
     )
     deadline = time.monotonic() + SETTLE_TIMEOUT
     while faulty.running and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not faulty.running and faulty.returncode == EXIT_FAULT
+    assert not faulty.running and faulty.returncode == fault_points.EXIT_FAULT
 
     async def at_crash() -> tuple[int, int, int]:
         """Records Redis holds, grouped messages sent, offsets committed on `topic`."""
