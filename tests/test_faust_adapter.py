@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
+import re
+from pathlib import Path
 
 import pytest
 
 from streams.runtime import faust_adapter
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("distribution", sorted(faust_adapter.TESTED_WITH))
@@ -65,3 +69,18 @@ def test_the_adapter_overrides_only_members_it_declares():
         if name.startswith("_") and not name.startswith("__") and inspect.isfunction(value)
     }
     assert overridden <= declared, overridden - declared
+
+
+def test_no_other_module_touches_those_members():
+    """The adapter is the one place: no other module of the stream names a private member
+    it relies on."""
+    names = {name for _, name, _ in faust_adapter.RELIED_ON if name.startswith("_")}
+    adapter = Path(faust_adapter.__file__).resolve()
+    found = [
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in sorted((ROOT / "streams").rglob("*.py"))
+        if path.resolve() != adapter
+        for name in names
+        if re.search(rf"\b{re.escape(name)}\b", path.read_text(encoding="utf-8"))
+    ]
+    assert not found, found
