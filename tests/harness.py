@@ -27,6 +27,7 @@ from deploy.embedded.environments import SPLU
 from service.core.config import StreamConfig, load_config
 from service.core.ingest import PreparedBatch
 from service.core.table import open_sample
+from service.core.wire import PoolEntry
 from service.store.buffer import BufferState, IngestOutcome, StreamBuffer
 from streams.runtime.app import partition_of
 from streams.runtime.kafka import client_options
@@ -120,9 +121,9 @@ class Harness:
             prefix = BufferState(client, self.config).prefix(partition)
             entries = list(await client.zrange(f"{prefix}:pool", 0, -1))
             entries += list((await client.hgetall(f"{prefix}:inflight")).values())
-            for entry in entries:
-                public, published, _ = entry.decode().split("|", 2)
-                out[public.split(",")[0]] = published  # `row` is the first public column
+            for entry in map(PoolEntry.parse, entries):
+                # `row` is the first public column.
+                out[entry.public.decode().split(",")[0]] = entry.published.decode()
         return out
 
     async def read(self, topic: str, expected: int, key=None) -> dict:
