@@ -161,8 +161,8 @@ class AllRunning:
 
 @contextmanager
 def restored_environ() -> Iterator[None]:
-    """`stream_env` exports the servers' addresses into os.environ; undo it afterwards, or
-    the next EmbeddedServers would take them for external servers."""
+    """A run exports the servers' addresses into os.environ (`stream_env`); undo it
+    afterwards, or the next EmbeddedServers would take them for external servers."""
     saved = dict(os.environ)
     try:
         yield
@@ -359,6 +359,8 @@ def run_setup(
         if servers.redis_cluster != bool(masters):
             raise SystemExit(f"{setup}: EmbeddedServers gave redis_cluster={servers.redis_cluster}")
         env = stream_env(servers)
+        # This process's own stages load the config and draw with the workers' key.
+        os.environ.update(env)
 
         def config(name: str, max_wait: float = args.max_wait, **stream: Any) -> StreamConfig:
             document = stream_document(

@@ -639,6 +639,8 @@ def run(args: argparse.Namespace) -> None:
         work = Path(directory)
         with EmbeddedServers(work / "servers") as servers:
             env = stream_env(servers)
+            # This process's own stages load the config and draw with the workers' key.
+            os.environ.update(env)
             name = f"soak-{secrets.token_hex(3)}"
             document = stream_document(
                 name, servers.kafka_bootstrap, servers.redis_url, args.partitions, args.max_wait

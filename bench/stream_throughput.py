@@ -956,6 +956,8 @@ def run(args: argparse.Namespace) -> Measured:
         work = Path(directory)
         with EmbeddedServers(work / "servers") as servers:
             env = stream_env(servers)
+            # This process's own stages load the config and draw with the workers' key.
+            os.environ.update(env)
 
             def document(name: str, max_wait: float = args.max_wait) -> dict[str, Any]:
                 return stream_document(

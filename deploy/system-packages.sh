@@ -9,7 +9,7 @@ set -euo pipefail
 missing=()
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
-# jemalloc, preloaded into the embedded server (deploy/embedded.py: jemalloc_preload).
+# jemalloc, preloaded into the embedded server (deploy/embedded/redis_server.py: jemalloc_preload).
 ldconfig -p 2>/dev/null | grep -q 'libjemalloc\.so\.2' || missing+=(libjemalloc2)
 { command -v prometheus && command -v promtool; } >/dev/null 2>&1 || missing+=(prometheus)
 command -v stunnel >/dev/null 2>&1 || missing+=(stunnel4)

@@ -13,6 +13,7 @@ import time
 import tomllib
 import uuid
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis.asyncio as aioredis
@@ -22,9 +23,11 @@ from aiokafka.coordinator.assignors.roundrobin import RoundRobinPartitionAssigno
 from aiokafka.errors import KafkaError
 
 from deploy.embedded import free_port, spawn_consumer, spawn_worker
+from deploy.embedded.environments import SPLU
 from service.core.config import StreamConfig, load_config
 from service.core.ingest import PreparedBatch
 from service.core.table import open_sample
+from service.core.wire import PoolEntry
 from service.store.buffer import BufferState, IngestOutcome, StreamBuffer
 from streams.runtime.app import partition_of
 from streams.runtime.kafka import client_options
@@ -82,7 +85,7 @@ class Harness:
         self.path = directory / f"{name}.toml"
         self.path.write_text(tomli_w.dumps(document))
         self.env = {**os.environ, "SPLU_SERVICE_KEY": secrets.token_hex(32)}
-        # The config names the servers; stream_env may have exported others here.
+        # The config names the servers; the environment may name others.
         for variable in ("KAFKA_BOOTSTRAP", "REDIS_URL", "REDIS_CLUSTER"):
             self.env.pop(variable, None)
         os.environ.pop("REDIS_CLUSTER", None)
@@ -97,10 +100,11 @@ class Harness:
         """With a port, the worker serves /healthz, /readyz and /metrics there."""
         self.worker = spawn_worker(self.path, self.env, self.log, port=port)
 
-    def start_consumer(self) -> None:
+    def start_consumer(self, splu: Sequence[str] = SPLU) -> None:
+        """`splu`: the command that runs splu (`fault_points.command` for a fault point)."""
         port = int(self.url.rsplit(":", 1)[1])
         log = self.log.with_suffix(".consumer.log")
-        self.consumer = spawn_consumer(self.path, port, self.env, log)
+        self.consumer = spawn_consumer(self.path, port, self.env, log, splu=splu)
 
     def stop(self) -> None:
         for process in (self.consumer, self.worker):
@@ -117,9 +121,9 @@ class Harness:
             prefix = BufferState(client, self.config).prefix(partition)
             entries = list(await client.zrange(f"{prefix}:pool", 0, -1))
             entries += list((await client.hgetall(f"{prefix}:inflight")).values())
-            for entry in entries:
-                public, published, _ = entry.decode().split("|", 2)
-                out[public.split(",")[0]] = published  # `row` is the first public column
+            for entry in map(PoolEntry.parse, entries):
+                # `row` is the first public column.
+                out[entry.public.decode().split(",")[0]] = entry.published.decode()
         return out
 
     async def read(self, topic: str, expected: int, key=None) -> dict:

@@ -32,8 +32,9 @@ from service.core.mechanisms.decoy import DecoyGroups
 from service.core.mechanisms.personal import UniformPerturbation
 from service.core.prf import ServiceKey
 from service.core.table import open_sample
+from service.core.wire import PoolEntry, cell_key
 from service.store.auditor import TrustedState
-from service.store.buffer import PoolEntry, StreamBuffer
+from service.store.buffer import StreamBuffer
 
 # Talks to a Redis-protocol server: .ci/run repeats these against Debian's redis-server.
 pytestmark = pytest.mark.redis
@@ -448,8 +449,8 @@ def test_adversary_truth_counts_published_records_only_and_expires(servers, exam
 
     def tallies(items):
         entries = [PoolEntry.parse(entry) for _, entry in items]
-        return (Counter(e.public + b"|" + e.true for e in entries),
-                Counter(e.public + b"|" + e.published for e in entries))  # fmt: skip
+        return (Counter(cell_key(e.public, e.true) for e in entries),
+                Counter(cell_key(e.public, e.published) for e in entries))  # fmt: skip
 
     half = len(taken) // 2
     assert tuple(map(Counter, first)) == tallies(taken[:half])

@@ -1,7 +1,7 @@
 """The bulk path (`streams.runtime.bulk`): a worker that dies after Redis stored a fetch and before
 its offsets were committed loses nothing and randomizes nothing twice.
 
-The worker ends at the fault point `SPLU_FAULT_EXIT_BEFORE_COMMIT` (after handling its
+The worker ends at a fault point (`fault_points`: after handling its
 third fetch of the topic Redis stores from, before committing it), so Redis holds records
 whose offsets the group never committed. A second worker reads them again from the
 committed offsets: the buffer recognises every one (`replayed`), and each record is
@@ -14,18 +14,14 @@ import asyncio
 import json
 import time
 
+import fault_points
 import pytest
 import redis.asyncio as aioredis
 from harness import RECORDS, TIMEOUT, Harness, adult_rows
 
 from deploy.embedded import spawn_worker
 from service.core.prf import ServiceKey
-from streams.runtime.bulk import (
-    EXIT_FAULT,
-    FAULT_EXIT_BEFORE_COMMIT,
-    FAULT_TOPIC,
-    FETCH_MAX_WAIT_MS,
-)
+from streams.runtime.bulk import FETCH_MAX_WAIT_MS
 from streams.runtime.topics import create_topics
 from streams.tools.produce import produce
 from streams.worker.app import create_app
@@ -42,12 +38,12 @@ def test_a_kill_between_store_and_commit_loses_and_rerandomizes_nothing(servers,
     asyncio.run(produce(config, iter(adult_rows(config)), progress=False))
     # The topic Redis stores from: a personal stream's second hop reads <stream>.grouped.
     stored = config.topics["grouped" if config.personal is not None else "raw"]
-    fault = {FAULT_EXIT_BEFORE_COMMIT: "3", FAULT_TOPIC: stored}
-    faulty = spawn_worker(harness.path, {**harness.env, **fault}, harness.log)
+    fault = fault_points.command(exit_before_commit=3, topic=stored)
+    faulty = spawn_worker(harness.path, harness.env, harness.log, splu=fault)
     deadline = time.monotonic() + TIMEOUT
     while faulty.running and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not faulty.running and faulty.returncode == EXIT_FAULT
+    assert not faulty.running and faulty.returncode == fault_points.EXIT_FAULT
 
     async def crashed() -> tuple[dict[str, int], int]:
         client = aioredis.from_url(config.redis_url)

@@ -17,7 +17,6 @@ import pytest
 import redis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from deploy import embedded
 from deploy.embedded import (
     KAFKA_BOOTSTRAP_ENV,
     REDIS_URL_ENV,
@@ -26,6 +25,7 @@ from deploy.embedded import (
     PortTakenError,
     RedisServer,
     ServerStartError,
+    processes,
 )
 from service.core.kafka_settings import KafkaSettings
 from streams.runtime.topics import create_topics, run_in_thread
@@ -242,8 +242,8 @@ def test_a_server_whose_chosen_port_was_taken_first_starts_on_another(
     first = RedisServer(tmp_path / "first")
     first.start()
     try:
-        offered, fresh = iter([first.port]), embedded.free_port
-        monkeypatch.setattr(embedded, "free_port", lambda: next(offered, None) or fresh())
+        offered, fresh = iter([first.port]), processes.free_port
+        monkeypatch.setattr(processes, "free_port", lambda: next(offered, None) or fresh())
         second = RedisServer(tmp_path / "second")
         assert second.port == first.port
         second.start()

@@ -42,6 +42,7 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
+import fault_points
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
@@ -54,10 +55,9 @@ from service.core.config import StreamConfig
 from service.core.ingest import Preparer, RawMessage
 from service.core.mechanisms.personal_stream import BORROWED, COPY, TRIAL, stream_trials
 from service.core.published import CellCodec
+from service.core.wire import PoolEntry, cell_fields
 from service.store.auditor import TrustedState
-from service.store.buffer import PoolEntry
 from service.store.running_counts import RunningCounts
-from streams.runtime.bulk import EXIT_FAULT, FAULT_EXIT_BEFORE_COMMIT, FAULT_TOPIC
 from streams.runtime.topics import create_topics
 from streams.tools.produce import produce
 
@@ -122,7 +122,7 @@ class Observed:
         self.snapshots += 1
         self.snapshot_entries += len(entries)
         for _, token, entry in entries:
-            record_id = entry.rsplit(b"|", 1)[1]
+            record_id = PoolEntry.parse(entry).id
             self.entries[record_id].add(entry)
             if token is not None:
                 self.tokens[record_id].add(token.encode())
@@ -476,7 +476,7 @@ def audit(
     out.tally = Counter(cells.values())
     tokens_of: dict[bytes, set[bytes]] = defaultdict(set)
     for token, cell in cells.items():
-        public, sensitive = cell.split(b"|")
+        public, sensitive = cell_fields(cell)
         record = by_row[int(public.split(b",")[0])]
         if public != record.public:
             out.problems.append(f"token {token!r} published {public!r} for {record.public!r}")
@@ -491,7 +491,7 @@ def audit(
     for session in monitor.sessions:
         in_session: set[bytes] = set()
         for entry in session:
-            record_id = entry.rsplit(b"|", 1)[1]
+            record_id = PoolEntry.parse(entry).id
             out.pooled_twice += record_id in in_session
             in_session.add(record_id)
             pooled[record_id] = entry
@@ -501,7 +501,7 @@ def audit(
 
     # A record the surviving Redis process saw pooled was published, not lost.
     last = monitor.sessions[-1] if monitor.sessions else []
-    lost = {entry.rsplit(b"|", 1)[1] for entry in last} - published - resting
+    lost = {PoolEntry.parse(entry).id for entry in last} - published - resting
     out.problems += [f"{record_id!r} was pooled and never published" for record_id in lost]
 
     every = [e for session in monitor.sessions for e in session]
@@ -509,7 +509,7 @@ def audit(
     if config.decoy is not None:
         gamma = config.decoy.gamma
         for entry in every:
-            record = records[entry.rsplit(b"|", 1)[1]]
+            record = records[PoolEntry.parse(entry).id]
             if (problem := decoy_problem(entry, record, gamma)) is not None:
                 out.problems.append(f"entry {entry!r}: {problem}")
         out.checked = len(published & (seen.entries.keys() | pooled.keys()))
@@ -711,12 +711,12 @@ async def settled_totals(harness: Harness) -> dict[str, int]:
 @pytest.mark.parametrize("hop", ["raw", "grouped"])
 def test_a_kill_between_the_hops_loses_duplicates_and_rerandomizes_nothing(servers, tmp_path, hop):
     """A personal stream's worker ends right after a fetch's handler returned, before the
-    fetch's offsets are committed (`FAULT_TOPIC`): with `raw`, after the first hop, once
-    the broker acknowledged the fetch's copies on <stream>.grouped; with `grouped`, after
-    the second, once Redis stored the fetch's grouped records. A fresh worker reads them
-    again: the copies the first hop sends twice, and the grouped records stored twice, are
-    recognised, and each record is published once, with the value the key and the grouped
-    order give it."""
+    fetch's offsets are committed (`fault_points`, counting fetches of one topic): with
+    `raw`, after the first hop, once the broker acknowledged the fetch's copies on
+    <stream>.grouped; with `grouped`, after the second, once Redis stored the fetch's
+    grouped records. A fresh worker reads them again: the copies the first hop sends twice,
+    and the grouped records stored twice, are recognised, and each record is published
+    once, with the value the key and the grouped order give it."""
     harness = Harness(servers, tmp_path, "adult-personal.toml")
     config = harness.config
     group = f"splu-{config.name}"
@@ -726,13 +726,14 @@ def test_a_kill_between_the_hops_loses_duplicates_and_rerandomizes_nothing(serve
     topic = config.topics[hop]
     faulty = spawn_worker(
         harness.path,
-        {**harness.env, FAULT_EXIT_BEFORE_COMMIT: "2", FAULT_TOPIC: topic},
+        harness.env,
         harness.log,
+        splu=fault_points.command(exit_before_commit=2, topic=topic),
     )
     deadline = time.monotonic() + SETTLE_TIMEOUT
     while faulty.running and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not faulty.running and faulty.returncode == EXIT_FAULT
+    assert not faulty.running and faulty.returncode == fault_points.EXIT_FAULT
 
     async def at_crash() -> tuple[int, int, int]:
         """Records Redis holds, grouped messages sent, offsets committed on `topic`."""
@@ -771,7 +772,7 @@ def test_a_kill_between_the_hops_loses_duplicates_and_rerandomizes_nothing(serve
     tokens: dict[bytes, set[bytes]] = defaultdict(set)
     wrong = []
     for message in published:
-        public, sensitive = codec.key_of(message.value).split(b"|")
+        public, sensitive = cell_fields(codec.key_of(message.value))
         record = by_row[int(public.split(b",")[0])]
         tokens[record.id].add(message.key)
         if public != record.public or sensitive != b"%d" % expected[record.id][1]:

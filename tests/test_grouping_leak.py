@@ -67,7 +67,8 @@ from service.core.config import StreamConfig, parse_config
 from service.core.ingest import Preparer, RawMessage
 from service.core.prf import ServiceKey
 from service.core.table import open_sample
-from service.store.buffer import FINAL_POOL, SHUFFLE_SEED_BYTES, PoolEntry, StreamBuffer
+from service.core.wire import PoolEntry
+from service.store.buffer import FINAL_POOL, SHUFFLE_SEED_BYTES, StreamBuffer
 from streams.worker.app import EMIT_CHUNK, EMIT_INTERVAL
 from streams.worker.closing import close_stream
 

@@ -38,8 +38,9 @@ from service.core.mechanisms.personal_stream import (
 from service.core.merge import ValueMap
 from service.core.prf import ServiceKey
 from service.core.table import Table, open_sample
+from service.core.wire import PoolEntry
 from service.store.auditor import TrustedState
-from service.store.buffer import PoolEntry, StreamBuffer
+from service.store.buffer import StreamBuffer
 
 pytestmark = pytest.mark.redis
 

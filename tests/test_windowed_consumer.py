@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import fault_points
 import pytest
 import redis.asyncio as aioredis
 import tomli_w
@@ -45,7 +46,6 @@ from service.core.reconstruct import Query
 from service.core.schema import Schema
 from service.core.windows import KIND, render_window
 from service.store.windowed import WindowState
-from streams.runtime.bulk import EXIT_FAULT, FAULT_EXIT_BEFORE_COMMIT
 from streams.runtime.topics import create_topics
 from streams.tools.produce import produce
 from streams.tools.reader import read_publication
@@ -125,13 +125,14 @@ def run_stream(servers, directory: Path, mechanism: str) -> Run:
         harness.start_worker()
         # The first consumer ends after handling its second fetch, before committing it:
         # the next one is handed that fetch again and must count none of it twice.
-        harness.env[FAULT_EXIT_BEFORE_COMMIT] = "2"
-        harness.start_consumer()
-        del harness.env[FAULT_EXIT_BEFORE_COMMIT]
+        harness.start_consumer(fault_points.command(exit_before_commit=2))
         rows = adult_rows(config)[:records]
 
         asyncio.run(produce(config, iter(rows), progress=False))
-        wait_for(lambda: harness.consumer.returncode == EXIT_FAULT, "the consumer's fault exit")
+        wait_for(
+            lambda: harness.consumer.returncode == fault_points.EXIT_FAULT,
+            "the consumer's fault exit",
+        )
         harness.start_consumer()
 
         async def settled() -> dict | None:

@@ -41,6 +41,7 @@ from service.core.mechanisms.personal import PersonalGroups, UniformPerturbation
 from service.core.prf import ServiceKey, ids_for
 from service.core.schema import RecordError, Rejection
 from service.core.table import Table
+from service.core.wire import published_member, shown_fields
 
 MAX_MESSAGE_BYTES = 64 * 1024
 NO_KEY = (
@@ -173,7 +174,7 @@ class Preparer:
         # '"name":"label"' per attribute and code: published records are joined from these,
         # looked up by the code's text as pool entries write it.
         self._fragments = [
-            [json.dumps({a.name: label})[1:-1].encode() for label in a.domain] for a in attributes
+            [published_member(a.name, label) for label in a.domain] for a in attributes
         ]
         self._fragment_of = [
             {b"%d" % code: fragment for code, fragment in enumerate(fragments)}
@@ -422,11 +423,9 @@ class Preparer:
     def codes_of(self, member: bytes) -> list[int]:
         """A pool entry's codes in schema order.
 
-        Entries are "public codes|published sensitive codes|audit|true sensitive
-        codes|arrival|id" (`service.store.buffer.PoolEntry`); only the first two fields are ever
-        published.
+        Only an entry's first two fields are ever published (`service.core.wire`).
         """
-        public_text, sensitive_text, _ = member.split(b"|", 2)
+        public_text, sensitive_text = shown_fields(member)
         public = iter(public_text.split(b",") if public_text else ())
         sensitive = iter(sensitive_text.split(b","))
         return [int(next(sensitive if a.sensitive else public)) for a in self.schema.attributes]
@@ -442,9 +441,10 @@ class Preparer:
         """`decode` as JSON bytes, from fragments encoded once per attribute value.
 
         The text of an entry's public codes and that of its sensitive codes each give their
-        part of the JSON text, remembered from entries published before.
+        part of the JSON text (`service.core.wire.published_record`), remembered from
+        entries published before.
         """
-        public_text, sensitive_text, _ = member.split(b"|", 2)
+        public_text, sensitive_text = shown_fields(member)
         head = self._json_heads.get(public_text)
         tail = self._json_tails.get(sensitive_text)
         if head is not None and tail is not None:

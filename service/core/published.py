@@ -39,6 +39,7 @@ from service.core.reconstruct import (
 from service.core.schema import Schema
 from service.core.table import Table
 from service.core.windows import KIND
+from service.core.wire import CODE, FIELD, cell_key, codes_text, read_published
 
 
 class PublishedRecordError(ValueError):
@@ -75,22 +76,22 @@ class CellCodec:
 
     def _parse(self, value: bytes) -> bytes:
         try:
-            record = json.loads(value)
-            public = ",".join(str(codes[record[name]]) for name, codes in self._public)
-            sensitive = ",".join(str(codes[record[name]]) for name, codes in self._sensitive)
+            record = read_published(value)
+            public = codes_text(codes[record[name]] for name, codes in self._public)
+            sensitive = codes_text(codes[record[name]] for name, codes in self._sensitive)
         except (ValueError, KeyError, TypeError) as err:
             raise PublishedRecordError(f"not a published record of this schema ({err})") from None
         if len(record) != len(self._public) + len(self._sensitive):
             raise PublishedRecordError("a published record carries attributes beyond the schema")
-        return f"{public}|{sensitive}".encode()
+        return cell_key(public, sensitive)
 
     def cells(self, tally: Mapping[bytes, int]) -> PublishedCells:
         """A tally of cell keys as `PublishedCells` over the schema's domains."""
         names = self.schema.names
         order = [a.name for a in self.schema.public] + [a.name for a in self.schema.sensitive]
         # One split of all keys at once: tallies hold tens of thousands of cells.
-        blob = b",".join(tally).replace(b"|", b",")
-        codes = np.array(blob.split(b","), dtype=np.int32) if tally else np.empty(0, np.int32)
+        blob = CODE.join(tally).replace(FIELD, CODE)
+        codes = np.array(blob.split(CODE), dtype=np.int32) if tally else np.empty(0, np.int32)
         rows = codes.reshape(len(tally), len(order))
         counts = np.fromiter(tally.values(), dtype=np.int64, count=len(tally))
         position = {name: i for i, name in enumerate(order)}

@@ -43,6 +43,7 @@ from service.core.privacy_tests import (
     guarantees,
 )
 from service.core.published import CellCodec
+from service.core.wire import cell_key, truth_cell
 from service.store.buffer import FINAL_POOL, BufferState
 from service.store.running_counts import RunningCounts
 
@@ -138,8 +139,11 @@ class TrustedState(BufferState):
             for number in (int(epoch) - 1, int(epoch)):
                 cells = await self.client.hgetall(f"{prefix}:truth:{number}")
                 for cell, count in cells.items():
-                    public, published, true_codes = cell.split(b"|")
-                    true_cell, shown_cell = public + b"|" + true_codes, public + b"|" + published
+                    public, published, true_codes = truth_cell(cell)
+                    true_cell, shown_cell = (
+                        cell_key(public, true_codes),
+                        cell_key(public, published),
+                    )
                     true[true_cell] = true.get(true_cell, 0) + int(count)
                     shown[shown_cell] = shown.get(shown_cell, 0) + int(count)
         return true, shown

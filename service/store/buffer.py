@@ -258,31 +258,6 @@ class IngestOutcome:
     pool: int
 
 
-@dataclass(frozen=True)
-class PoolEntry:
-    """A record in a mixing pool or in flight: "public|published|audit|true|arrival|id".
-
-    Only `public` and `published` (codes, comma-separated) are ever published. The
-    audit is a decoy record's group number and values per attribute
-    ("number:v1,v2,...", ";" between attributes) or a personal record's kind (t trial,
-    c copy, b borrowed copy); `true` holds its true sensitive codes, counted into the
-    truth tally when the broker acknowledges it; `arrival` (ms) feeds the delay
-    histogram.
-    """
-
-    public: bytes
-    published: bytes
-    audit: bytes
-    true: bytes
-    arrival: int
-    id: bytes
-
-    @classmethod
-    def parse(cls, entry: bytes) -> PoolEntry:
-        public, published, audit, true, arrival, record_id = entry.split(b"|")
-        return cls(public, published, audit, true, int(arrival), record_id)
-
-
 class BufferState:
     """What the consumer and operators may read of a stream's buffers: counters, gauges,
     the delay histogram, the close, and the audit's verdicts (`service.store.auditor`).

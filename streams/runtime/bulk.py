@@ -1,11 +1,12 @@
 """Bulk consumption: each fetched batch handled whole, around Faust's per-message machinery.
 
-Faust hands a topic's messages to an agent one by one: a ``Message`` and an
-``Event`` per record, two tasks per record to race the callback against flow
-control, a queue, and an ack per record. On this machine that was over half of a
-worker's CPU per record. A bulk topic skips it: the Faust consumer (its group
-membership, rebalancing, flow control and offset commits stay Faust's) fetches as
-usual, and the fetcher hands each fetch (its records by partition) to one handler.
+Faust hands a topic's messages to an agent one by one: a ``Message`` and an ``Event`` per
+record, two tasks per record to race the callback against flow control, a queue, and an
+ack per record, which costs more of a worker's CPU than the records' own work
+(docs/performance.md). A bulk topic skips it: the Faust consumer (its group membership,
+rebalancing, flow control and offset commits stay Faust's) fetches as usual, and the
+fetcher hands each fetch (its records by partition) to one handler. The Faust internals
+this takes live in `streams.runtime.faust_adapter`.
 
 The commit rule is the worker's: a fetch's offsets are committed only after the
 handler returned, i.e. after Redis (with fsync on every write) holds the batch.
@@ -26,23 +27,23 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import faust
-from aiokafka import AIOKafkaConsumer, codec
-from aiokafka.consumer import fetcher as aiokafka_fetcher
+from aiokafka import codec
 from aiokafka.structs import ConsumerRecord
 from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types import TP
-from mode import ServiceT
+
+from streams.runtime.faust_adapter import (
+    FetchConsumer,
+    ShortWaitConsumerThread,
+    StoppingRecords,
+    compression_of,
+    consumer_exists,
+    install_records,
+)
 
 log = logging.getLogger("splu.bulk")
 
 EXIT_UNSTORED = 75  # EX_TEMPFAIL: a batch could not be stored; it will be redelivered
-# A fault point for the tests: with N set, the process ends right after handling its Nth
-# fetch, before committing it, the window a crash of the bulk path is most likely to hit.
-FAULT_EXIT_BEFORE_COMMIT = "SPLU_FAULT_EXIT_BEFORE_COMMIT"
-# With a topic name set too, only fetches holding records of that topic count: a personal
-# stream's worker can be stopped between its two hops (`streams.runtime.app.add_ingest`).
-FAULT_TOPIC = "SPLU_FAULT_TOPIC"
-EXIT_FAULT = 70
 FETCH_TIMEOUT = 1.0  # seconds one fetch waits for records
 FETCHES_IN_HAND = 2  # fetches handled at once, so that CPU and Redis work overlap
 FETCH_MAX_WAIT_MS = 500  # the longest the broker holds a fetch that finds no records
@@ -62,10 +63,7 @@ CODECS = {
 
 def undecodable_reason(batch: Any) -> str | None:
     """Why this process cannot decode a fetched record batch, or None if it can."""
-    # A message set of the old formats (v0, v1) keeps its codec privately.
-    compression = getattr(batch, "compression_type", None)
-    if compression is None:
-        compression = getattr(batch, "_compression_type", 0)
+    compression = compression_of(batch)
     if compression:
         name, available = CODECS.get(compression, (f"codec {compression:#04x}", lambda: False))
         if not available():
@@ -75,31 +73,7 @@ def undecodable_reason(batch: Any) -> str | None:
     return None
 
 
-class _DecodableBatches:
-    """The record batches of one fetched partition, up to the first one this process
-    cannot decode, which is kept aside (`failure`)."""
-
-    def __init__(self, records: Any) -> None:
-        self._records = records
-        self._ahead: Any = None
-        self.failure: tuple[Any, str] | None = None
-
-    def has_next(self) -> bool:
-        if self._ahead is None and self.failure is None and self._records.has_next():
-            batch = self._records.next_batch()
-            reason = undecodable_reason(batch)
-            if reason is None:
-                self._ahead = batch
-            else:
-                self.failure = (batch, reason)
-        return self._ahead is not None
-
-    def next_batch(self) -> Any:
-        batch, self._ahead = self._ahead, None
-        return batch
-
-
-class GuardedRecords(aiokafka_fetcher.PartitionRecords):
+class GuardedRecords(StoppingRecords):
     """aiokafka's records of one fetched partition, which end at a batch this process
     cannot decode (a codec whose library it lacks, a broken CRC) with one record standing
     for the batch, header UNDECODABLE, instead of raising: the exception would end the
@@ -107,20 +81,18 @@ class GuardedRecords(aiokafka_fetcher.PartitionRecords):
     setting would stop the stream for good. The partition's position stays at the batch.
     """
 
-    def _unpack_records(self):  # type: ignore[no-untyped-def]
-        batches = self._records = _DecodableBatches(self._records)
-        yield from super()._unpack_records()
-        if batches.failure is not None:
-            batch, reason = batches.failure
-            header = f"{batch.next_offset - 1} {reason}".encode()
-            yield ConsumerRecord(
-                self._tp.topic, self._tp.partition, batch.base_offset, -1, 0, None, None,
-                None, -1, -1, ((UNDECODABLE, header),),
-            )  # fmt: skip
+    refuse = staticmethod(undecodable_reason)
+
+    @staticmethod
+    def stand_in(topic: str, partition: int, batch: Any, reason: str) -> ConsumerRecord:
+        header = f"{batch.next_offset - 1} {reason}".encode()
+        return ConsumerRecord(
+            topic, partition, batch.base_offset, -1, 0, None, None, None, -1, -1,
+            ((UNDECODABLE, header),),
+        )  # fmt: skip
 
 
-# aiokafka builds each fetched partition's records from this module's name.
-aiokafka_fetcher.PartitionRecords = GuardedRecords  # type: ignore[misc]
+install_records(GuardedRecords)
 
 
 def undecodable_batch(record: ConsumerRecord) -> tuple[int, int, str] | None:
@@ -132,7 +104,7 @@ def undecodable_batch(record: ConsumerRecord) -> tuple[int, int, str] | None:
     return None
 
 
-class BulkConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
+class BulkConsumerThread(ShortWaitConsumerThread):
     """Faust's consumer thread, whose aiokafka consumer has the broker hold a fetch that
     finds no records for FETCH_MAX_WAIT_MS (aiokafka's own default), not the 1,500 ms Faust
     fixes.
@@ -141,53 +113,32 @@ class BulkConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
     are used up, and the broker holds a fetch that finds nothing: the embedded broker for
     the whole wait, even when records arrive meanwhile. When partitions drain unevenly (a
     backlog's end, a burst on some partitions), those that run dry wait behind the held
-    fetch: the consumer counted 200,000 records in 1.1-1.7 s, or in 4.2-4.5 s after such
-    stalls (3 of 5 runs); with 500 ms, in 1.1-1.7 s in 5 of 5. A shorter wait costs CPU
-    at a steady rate, as fetches come back smaller and more often: at 3,000 records/s the
-    worker and the broker used 26 and 9 µs per record with 1,500 ms, 30 and 15 with
-    500 ms, 40 and 33 with 100 ms. A record produced to a quiet stream reached a consumer
-    up to 552, 184 and 27 ms later.
+    fetch. A shorter wait costs CPU at a steady rate, as fetches come back smaller and more
+    often; this wait is the balance docs/performance.md measures.
     """
 
-    def _create_worker_consumer(self, transport: faust_aiokafka.Transport) -> AIOKafkaConsumer:
-        consumer = super()._create_worker_consumer(transport)
-        # Read when the consumer starts (AIOKafkaConsumer.start creates its Fetcher).
-        if not hasattr(consumer, "_fetch_max_wait_ms"):
-            raise RuntimeError("this aiokafka keeps no _fetch_max_wait_ms to shorten")
-        consumer._fetch_max_wait_ms = FETCH_MAX_WAIT_MS
-        return consumer
+    fetch_max_wait_ms = FETCH_MAX_WAIT_MS
 
 
-class BulkConsumer(faust_aiokafka.Consumer):
+class BulkConsumer(FetchConsumer):
     """Faust's aiokafka consumer whose fetcher hands whole fetches to the transport's
     bulk handler, then commits them."""
 
-    def _new_consumer_thread(self) -> BulkConsumerThread:
-        return BulkConsumerThread(self, loop=self.loop, beacon=self.beacon)
+    thread_class = BulkConsumerThread
 
-    async def _drain_messages(self, fetcher: ServiceT) -> None:
+    async def drain(self, stopping: Callable[[], bool]) -> None:
         handle: BulkHandler = self.transport.bulk_handler  # type: ignore[attr-defined]
-        fetches_before_fault = int(os.environ.get(FAULT_EXIT_BEFORE_COMMIT, "0"))
-        fault_topic = os.environ.get(FAULT_TOPIC)
         # Fetches being handled, oldest first: the next fetch's CPU work (parsing,
         # validation) runs while the previous one waits on Redis. Each is committed only
         # after it and every older one were handled.
         handling: deque[tuple[asyncio.Task, dict[TP, int]]] = deque()
         try:
-            while not (self.should_stop or fetcher.should_stop):
+            while not stopping():
                 while handling and (len(handling) >= FETCHES_IN_HAND or handling[0][0].done()):
                     task, offsets = handling.popleft()
                     await task
-                    counts = fault_topic is None or any(tp.topic == fault_topic for tp in offsets)
-                    if fetches_before_fault and counts:
-                        fetches_before_fault -= 1
-                        if not fetches_before_fault:
-                            log.critical("fault point: exiting before a commit")
-                            os._exit(EXIT_FAULT)
-                    await self._commit_offsets(offsets)
-                records, active = await self._wait_next_records(
-                    FETCH_TIMEOUT if not handling else 0
-                )
+                    await self.commit_fetch(offsets)
+                records, active = await self.next_fetch(FETCH_TIMEOUT if not handling else 0)
                 if not records:
                     if handling:  # nothing prefetched: let the oldest fetch finish first
                         await asyncio.wait([handling[0][0]])
@@ -205,7 +156,7 @@ class BulkConsumer(faust_aiokafka.Consumer):
                 if not batch:
                     continue
                 for tp, messages in batch.items():
-                    self._read_offset[tp] = messages[-1].offset
+                    self.mark_read(tp, messages[-1].offset)
                 offsets = {tp: messages[-1].offset + 1 for tp, messages in batch.items()}
                 handling.append((asyncio.ensure_future(handled(handle, batch)), offsets))
         finally:
@@ -272,7 +223,7 @@ def consume_in_bulk(
     partition (a fetch may hold records of each topic), committing each fetch once the
     handler returned. The app's only topics. A batch that cannot be decoded holds its
     partition and goes to `undecodable` (`BulkConsumer._hold_undecodable`)."""
-    if app._consumer is not None:  # type: ignore[attr-defined]
+    if consumer_exists(app):
         raise RuntimeError("consume_in_bulk must come before the app's consumer exists")
     app.transport = BulkTransport(app, handle, undecodable)
     for topic in topics:

@@ -48,6 +48,7 @@ from service.cli.progress import progress_bar
 from service.core.config import StreamConfig, load_config
 from service.core.planning import floor_note
 from service.core.table import open_text
+from service.core.wire import read_published
 from service.store.buffer import BufferState, check_redis, connect
 from service.store.lifecycle import close_status
 from streams.runtime.kafka import client_options, start_client
@@ -408,7 +409,7 @@ async def _write_published(config: StreamConfig, expected: int, path: Path) -> i
     with path.open("w", newline="") as stream:
         writer = csv.writer(stream)
         writer.writerow(names)
-        writer.writerows([json.loads(value)[n] for n in names] for value in records.values())
+        writer.writerows([read_published(value)[n] for n in names] for value in records.values())
     return len(records)
 
 

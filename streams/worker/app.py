@@ -9,7 +9,7 @@ One agent per concern:
   fetch's offsets are committed only after Redis (with fsync on every write)
   has the batch: a crash replays it, and the buffer recognises the replay.
   A personal stream takes two hops, so that each personal group has one owner
-  and one trial budget (issue 15): validated raw records go, keyed by group,
+  and one trial budget: validated raw records go, keyed by group,
   to the internal ``<stream>.grouped``, and the records of each of its
   partitions to the buffer (`add_ingest`).
 - ``emit`` (timer, `Emitter`) moves records from each owned partition's mixing

@@ -42,7 +42,7 @@ local removed, truth = 0, {}
 for j = 1, count do
   local entry = entries[j]
   if entry then
-    -- An entry starts "public|published|audit|true|".
+    -- An entry starts "public|published|audit|true|" (service/core/wire.py).
     local shown, true_values = string.match(entry, '^([^|]*|[^|]*)|[^|]*|([^|]*)|')
     local cell = shown .. '|' .. true_values
     truth[cell] = (truth[cell] or 0) + 1

@@ -105,7 +105,8 @@ local function joined(list, separator)
   return table.concat(list, separator)
 end
 
--- A pool entry: "public|published|audit|true values|arrival|id".
+-- A pool entry: "public|published|audit|true values|arrival|id", the layout
+-- service/core/wire.py owns.
 local function pool_entry(id, arrival, public, published, audit, values)
   pooled = pooled + 1
   pool_entries[2 * pooled - 1] = now_text

@@ -175,6 +175,7 @@ local function release(group)
       local turn = redis.call('HINCRBY', g .. ':s', 'cc:' .. source, 1) - 1
       out = redis.call('LINDEX', list, turn % redis.call('LLEN', list))
     end
+    -- A pool entry (service/core/wire.py).
     local entry = record[2] .. '|' .. out .. '|' .. kind .. '|' .. value .. '|' .. record[1]
       .. '|' .. id
     redis.call('ZADD', k_pool, now, entry)
