@@ -168,8 +168,8 @@ def run_plan(
 ) -> list[planning.Setting]:
     """Every setting of the plan, in the order the tables show them, under a progress bar."""
     steps: list[tuple[str, Callable[[], planning.Setting]]] = []
-    if "decoy" in mechanisms:
-        steps += [
+    varied = {
+        "decoy": [
             (
                 f"decoy γ = {gamma}",
                 partial(
@@ -179,9 +179,8 @@ def run_plan(
                 ),
             )
             for gamma in gammas
-        ]  # fmt: skip
-    if "personal" in mechanisms:
-        steps += [
+        ],
+        "personal": [
             (
                 f"personal p = {p:g}",
                 partial(
@@ -190,7 +189,11 @@ def run_plan(
                 ),
             )
             for p in retentions
-        ]  # fmt: skip
+        ],
+    }  # fmt: skip
+    for mechanism, mechanism_steps in varied.items():
+        if mechanism in mechanisms:
+            steps += mechanism_steps
     for mechanism in baselines:
         at = (
             planning.baseline_gammas(mechanism, table, sensitive, gammas)
@@ -295,13 +298,15 @@ def command_plan(args: argparse.Namespace) -> int:
     print(TRUSTED_SIDE)
     for warning in planning.missing_bands(pool):
         print(f"warning: {warning}; its errors are not measured (a larger sample may hold one)")
-    decoy = [s for s in settings if s.mechanism == "decoy"]
-    personal = [s for s in settings if s.mechanism == "personal"]
+    printers = {
+        "decoy": partial(print_decoy, args=args),
+        "personal": partial(print_personal, merge_map=args.merge_map),
+    }
+    for mechanism, print_settings in printers.items():
+        planned = [s for s in settings if s.mechanism == mechanism]
+        if planned:
+            print_settings(planned)
     batch = [s for s in settings if s.mechanism in planning.BASELINES]
-    if decoy:
-        print_decoy(decoy, args)
-    if personal:
-        print_personal(personal, args.merge_map)
     if batch:
         print_baselines(batch)
     for binning in binned:
