@@ -259,6 +259,18 @@ class Answers(Protocol):
     def estimate_many(self, queries: Sequence[Query]) -> list[Estimate]: ...
 
 
+def checked_query(
+    obj: object, answerer: Answers, domains: Mapping[str, Collection[str]] | None
+) -> Query:
+    """A query object parsed and checked against what `answerer` can answer and, with
+    `domains`, against each sensitive column's domain; raises QueryError otherwise."""
+    query = Query.from_json(obj)
+    answerer.check(query)
+    if domains is not None:
+        query.check_values(domains)
+    return query
+
+
 def answer_queries(
     answerer: Answers | None,
     objects: Iterable[object],
@@ -278,10 +290,7 @@ def answer_queries(
             results[-1]["error"] = unanswered
             continue
         try:
-            query = Query.from_json(obj)
-            answerer.check(query)
-            if domains is not None:
-                query.check_values(domains)
+            query = checked_query(obj, answerer, domains)
         except QueryError as err:
             results[-1]["error"] = str(err)
             continue

@@ -37,7 +37,14 @@ from service.core.mechanisms.registry import (
 from service.core.merge import ValueMap
 from service.core.prf import ServiceKey
 from service.core.publication import flag_of, log, open_input
-from service.core.reconstruct import Answers, PublishedCells, Query, QueryError, Reconstruction
+from service.core.reconstruct import (
+    Answers,
+    PublishedCells,
+    Query,
+    QueryError,
+    Reconstruction,
+    checked_query,
+)
 from service.core.table import csv_reader
 
 # Where `splu query --topic` finds Kafka without --bootstrap, as every stream command does.
@@ -64,10 +71,7 @@ def _read_queries(
                 parsed.append(None)
                 continue
             try:
-                query = Query.from_json(obj)
-                reconstruction.check(query)
-                if domains is not None:
-                    query.check_values(domains)
+                query = checked_query(obj, reconstruction, domains)
             except QueryError as err:
                 shown = obj if isinstance(obj, dict) else {"line": number}
                 objects.append({**shown, "error": str(err)})
