@@ -45,7 +45,8 @@ from service.core.ingest import PreparedBatch, RawMessage
 from service.core.mechanisms import decoy
 from service.core.mechanisms.decoy import DecoyGroups
 from service.core.prf import ServiceKey, random_ids
-from service.store.buffer import PoolEntry, StreamBuffer
+from service.core.wire import PoolEntry
+from service.store.buffer import StreamBuffer
 
 # Talks to a Redis-protocol server: .ci/run repeats these against Debian's redis-server.
 pytestmark = pytest.mark.redis
