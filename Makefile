@@ -4,9 +4,8 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 # Three test processes, each file's tests in one of them: the stream tests mostly wait on
 # group joins and timers, so a third process keeps both cores of a 2-core machine busy
-# (-n 0 runs serially). Files go out in collection order, the longest first
-# (tests/conftest.py, LONGEST_FILES), not xdist's default of the most tests first.
-PYTEST_PARALLEL ?= -n 3 --dist loadfile --no-loadscope-reorder
+# (-n 0 runs serially).
+PYTEST_PARALLEL ?= -n 3 --dist loadfile
 
 .PHONY: demo test bench evaluation
 

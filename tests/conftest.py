@@ -15,34 +15,6 @@ from service.core.table import Table, open_sample, read_table
 
 ADULT_QUASI = ["age", "sex", "race", "marital_status", "education"]
 
-# The files whose tests run longest, longest first. `make test` hands each file whole to one
-# test process in collection order (--dist loadfile --no-loadscope-reorder), so starting
-# these first keeps the end of a run from waiting on one long file. Only the order depends
-# on this list: a file missing from it runs after these, in name order.
-LONGEST_FILES = (
-    "test_faults.py",
-    "test_scaleout.py",
-    "test_windowed_consumer.py",
-    "test_grouping_leak.py",
-    "test_stream.py",
-    "test_up.py",
-    "test_run.py",
-    "test_windowed.py",
-    "test_bench.py",
-    "test_kafka_tls.py",
-    "test_manifest.py",
-    "test_bulk.py",
-    "test_coverage.py",
-    "test_personal_reserve.py",
-    "test_consumer.py",
-    "test_slow_stream.py",
-)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {name: position for position, name in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-
 
 def synthetic_table(shares: list[float], rows: int, public_values: int = 3, seed: int = 0) -> Table:
     """A public attribute `a` correlated with a sensitive attribute `s` of given shares."""
