@@ -66,11 +66,13 @@ from streams.runtime.app import (
     TRANSIENT,
     Publisher,
     add_health_pages,
+    app_publisher,
     assigned_partitions,
     describe,
     faust_app,
     redis_client,
     retrying,
+    stream_topic,
 )
 from streams.runtime.bulk import consume_in_bulk
 from streams.runtime.metrics import (
@@ -383,12 +385,8 @@ def create_consumer_app(config: StreamConfig, datadir: Path, host: str, port: in
         config, f"splu-{config.name}-consumer", datadir, web=(host, port),
         fetch_records=COUNT_FETCH,
     )  # fmt: skip
-    published = app.topic(
-        config.topics["published"], partitions=config.partitions, value_serializer="raw",
-        key_serializer="raw",
-    )  # fmt: skip
-    publisher = Publisher(config.kafka, loop=app.loop)
-    app.add_dependency(publisher)
+    published = stream_topic(app, config, "published")
+    publisher = app_publisher(app, config)
     client = redis_client(app, config)
     # The holder of the published topic's partition 0 leads: one per group at a time.
     consumer = Consumer(

@@ -167,6 +167,22 @@ def redis_client(app: faust.App, config: StreamConfig) -> aioredis.Redis:
     return client
 
 
+def stream_topic(app: faust.App, config: StreamConfig, kind: str) -> faust.TopicT:
+    """The stream's `kind` topic (raw, grouped, published...) with its partitions, as bytes:
+    each agent decodes what it reads itself."""
+    return app.topic(
+        config.topics[kind], partitions=config.partitions, value_serializer="raw",
+        key_serializer="raw",
+    )  # fmt: skip
+
+
+def app_publisher(app: faust.App, config: StreamConfig) -> Publisher:
+    """A producer that starts and stops with the app."""
+    publisher = Publisher(config.kafka, loop=app.loop)
+    app.add_dependency(publisher)
+    return publisher
+
+
 def partition_of(key: bytes, partitions: int) -> int:
     """The partition of a keyed message: CRC-32 of the key modulo the partition count."""
     return zlib.crc32(key) % partitions

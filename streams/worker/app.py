@@ -56,12 +56,14 @@ from streams.runtime.app import (
     TRANSIENT,
     Publisher,
     add_health_pages,
+    app_publisher,
     assigned_partitions,
     describe,
     faust_app,
     now_ms,
     redis_client,
     retrying,
+    stream_topic,
 )
 from streams.runtime.bulk import consume_in_bulk
 from streams.runtime.metrics import DELAY_SLACK, delay_histogram, render_worker
@@ -489,20 +491,13 @@ def create_app(
     """The worker app for one stream; with `web` (host, port) it serves /healthz, /readyz and
     /metrics."""
     app = faust_app(config, f"splu-{config.name}", datadir, web=web)
-    raw = app.topic(
-        config.topics["raw"], partitions=config.partitions, value_serializer="raw",
-        key_serializer="raw",
-    )  # fmt: skip
+    raw = stream_topic(app, config, "raw")
     grouped = None
     if config.personal is not None:
-        grouped = app.topic(
-            config.topics["grouped"], partitions=config.partitions, value_serializer="raw",
-            key_serializer="raw",
-        )  # fmt: skip
+        grouped = stream_topic(app, config, "grouped")
     # The topic whose partitions the Redis buffers are: a personal stream's are its groups'.
     buffered = grouped or raw
-    publisher = Publisher(config.kafka, loop=app.loop)
-    app.add_dependency(publisher)
+    publisher = app_publisher(app, config)
     preparer = Preparer(config, key)
     client = redis_client(app, config)
     buffer = StreamBuffer(client, config, key)

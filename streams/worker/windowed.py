@@ -35,13 +35,14 @@ from service.store.lifecycle import Lifecycle
 from service.store.windowed import WindowBuffer, encode_staged
 from streams.runtime.app import (
     TRANSIENT,
-    Publisher,
     add_health_pages,
+    app_publisher,
     assigned_partitions,
     describe,
     faust_app,
     now_ms,
     redis_client,
+    stream_topic,
 )
 from streams.worker.app import (
     TICK_INTERVAL,
@@ -67,12 +68,8 @@ def create_windowed_app(
     assert config.windowed is not None, "a windowed stream has a [windowed] table"
     settings = config.windowed
     app = faust_app(config, f"splu-{config.name}", datadir, web=web)
-    raw = app.topic(
-        config.topics["raw"], partitions=config.partitions, value_serializer="raw",
-        key_serializer="raw",
-    )  # fmt: skip
-    publisher = Publisher(config.kafka, loop=app.loop)
-    app.add_dependency(publisher)
+    raw = stream_topic(app, config, "raw")
+    publisher = app_publisher(app, config)
     preparer = WindowPreparer(config, key)
     client = redis_client(app, config)
     buffer = WindowBuffer(client, config)
