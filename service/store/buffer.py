@@ -258,6 +258,11 @@ class IngestOutcome:
     pool: int
 
 
+class FencedError(RuntimeError):
+    """A newer worker claimed the partition (a rebalance gave it away): this worker must no
+    longer write it. Not a Redis error, so no step retries it."""
+
+
 class BufferState:
     """What the consumer and operators may read of a stream's buffers: counters, gauges,
     the delay histogram, the close, and the audit's verdicts (`service.store.auditor`).
@@ -399,12 +404,20 @@ class StreamBuffer(BufferState):
         # Records in each partition's pool when this worker last stored or took there: how
         # many tokens a take will need (`take_tokens`).
         self._pooled: dict[int, int] = {}
+        # Every step that writes a partition's buffer passes its owner fence (fence.lua).
         self._ingest = client.register_script(
-            lua_script("fingerprints", "uniforms", "ingest", *config.spec.stream_scripts)
+            lua_script("fence", "fingerprints", "uniforms", "ingest", *config.spec.stream_scripts)
         )
         bounds = f"local DELAY_BOUNDS = {_lua_list(DELAY_BOUNDS_MS)}\n"
-        self._take = client.register_script(bounds + lua_script("uniforms", "emit"))
-        self._acknowledge = client.register_script(lua_script("acknowledge"))
+        self._take = client.register_script(
+            lua_script("fence") + bounds + lua_script("uniforms", "emit")
+        )
+        self._acknowledge = client.register_script(lua_script("fence", "acknowledge"))
+        self._claim = client.register_script(lua_script("claim"))
+        # The generation of this worker's claim on each partition it wrote (claim.lua), and
+        # the partitions a rebalance assigned since, whose claim is checked again first.
+        self._claims: dict[int, int] = {}
+        self._reclaim: set[int] = set()
         self._ttl = int((config.record_ttl or 0) * 1000)
         self._retention = int(config.reports.truth_retention * 1000)
         self._closed_retention = int(config.closed_retention * 1000)
@@ -417,6 +430,33 @@ class StreamBuffer(BufferState):
                 settings.release_size, settings.budget, int(limit), settings.retention, m,
                 settings.lam, settings.delta, repr(budget_level()),
             ]  # fmt: skip
+
+    def assigned(self, partitions: Iterable[int]) -> None:
+        """A rebalance assigned `partitions` to this worker: before it next writes one, it
+        claims it again, keeping its generation if no other worker claimed it meanwhile."""
+        self._reclaim.update(partitions)
+
+    async def _generation(self, partition: int) -> int:
+        held = self._claims.get(partition)
+        if held is None or partition in self._reclaim:
+            claimed = await self._claim(keys=[self.prefix(partition)], args=[held or ""])
+            held = self._claims[partition] = int(claimed)
+            self._reclaim.discard(partition)
+        return held
+
+    async def _fenced(self, script: Any, partition: int, args: list) -> Any:
+        """Run a step that writes `partition`'s buffer under this worker's claim on it;
+        FencedError if a newer worker claimed it since."""
+        generation = await self._generation(partition)
+        try:
+            return await script(keys=[self.prefix(partition)], args=[generation, *args])
+        except redis_errors.ResponseError as err:
+            if not str(err).startswith("FENCED"):
+                raise
+            raise FencedError(
+                f"partition {partition} of stream {self.config.name} was claimed by a newer "
+                f"worker (this worker's claim: generation {generation})"
+            ) from None
 
     async def ingest(
         self, partition: int, batch: PreparedBatch | None, now_ms: int, through: int = -1
@@ -467,7 +507,7 @@ class StreamBuffer(BufferState):
             args: list = [now_ms, max_wait, self.config.decoy.gamma, w, seed, ttl, *closing, count]
         else:
             args = [now_ms, max_wait, *self._personal_args, ttl, *closing, count]
-        result = await self._ingest(keys=[self.prefix(partition)], args=args + (records or []))
+        result = await self._fenced(self._ingest, partition, args + (records or []))
         if records is not None or through >= 0:
             await self.replication.confirm(self.prefix(partition))
         statuses = [0] * count
@@ -519,7 +559,7 @@ class StreamBuffer(BufferState):
             now_ms, config.mixing_pool, int(config.flush_interval * 1000), limit, seed,
             waits_for, config.min_mixing, config.small_remainder, *take_tokens(seed, expected),
         ]  # fmt: skip
-        flight = await self._take(keys=[self.prefix(partition)], args=args)
+        flight = await self._fenced(self._take, partition, args)
         if not flight:
             return []
         await self.replication.confirm(self.prefix(partition))
@@ -543,6 +583,4 @@ class StreamBuffer(BufferState):
             joined = "".join(tokens)
             if len(joined) != TOKEN_HEX * len(tokens):
                 raise ValueError(f"emission tokens are {TOKEN_HEX} hex digits each")
-            await self._acknowledge(
-                keys=[self.prefix(partition)], args=[now_ms, self._retention, joined]
-            )
+            await self._fenced(self._acknowledge, partition, [now_ms, self._retention, joined])

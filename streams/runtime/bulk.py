@@ -32,6 +32,7 @@ from aiokafka.structs import ConsumerRecord
 from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types import TP
 
+from service.store.buffer import FencedError
 from streams.runtime.faust_adapter import (
     FetchConsumer,
     ShortWaitConsumerThread,
@@ -194,9 +195,13 @@ class BulkConsumer(FetchConsumer):
 
 async def handled(handle: BulkHandler, batch: Mapping[TP, list[ConsumerRecord]]) -> Any:
     """Run the handler on a batch; if it fails, end the process before anything is
-    committed (with the traceback: a message that breaks the handler must be findable)."""
+    committed (with the traceback: a message that breaks the handler must be findable; a
+    worker fenced off a partition it lost in a rebalance says so in one line)."""
     try:
         return await handle(batch)
+    except FencedError as err:
+        log.critical("%s; exiting before this fetch is committed: its new owner reads it", err)
+        os._exit(EXIT_UNSTORED)
     except Exception:
         log.critical("a batch could not be stored; exiting before it is committed", exc_info=True)
         os._exit(EXIT_UNSTORED)

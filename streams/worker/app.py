@@ -50,7 +50,7 @@ from service.core.ingest import PreparedBatch, Preparer, RawMessage, Rejected
 from service.core.prf import ServiceKey
 from service.core.schema import Rejection
 from service.store.auditor import Auditor, publishable
-from service.store.buffer import FINAL_POOL, BufferState, StreamBuffer
+from service.store.buffer import FINAL_POOL, BufferState, FencedError, StreamBuffer
 from service.store.lifecycle import Lifecycle
 from streams.runtime.app import (
     TRANSIENT,
@@ -217,6 +217,10 @@ class Emitter:
             # Whatever was taken stays in flight; send it again once things recover.
             log.warning("partition %d: emission failed (%s)", partition, describe(err))
             self.resend.add(partition)
+        except FencedError as err:
+            # The new owner re-sends what this worker left in flight, with the same tokens.
+            log.error("%s; this worker stops emitting it", err)
+            self.owned.discard(partition)
         return sent
 
 
@@ -510,7 +514,10 @@ def create_app(
     @app.on_partitions_assigned.connect
     async def on_assigned(sender: object, assigned: set, **kwargs: object) -> None:
         name = buffered.get_topic_name()
-        emitter.assigned({tp.partition for tp in assigned if tp.topic == name})
+        partitions = {tp.partition for tp in assigned if tp.topic == name}
+        emitter.assigned(partitions)
+        # The final pool goes with partition 0.
+        buffer.assigned(partitions | ({FINAL_POOL} if 0 in partitions else set()))
 
     forward = None
     if grouped is not None:
@@ -548,6 +555,8 @@ def create_app(
                 await buffer.ingest(partition, None, now_ms())
             except TRANSIENT as err:
                 log.warning("partition %d: tick failed (%s)", partition, describe(err))
+            except FencedError as err:
+                log.error("%s; its tick is left to the new owner", err)
         await close_step(closer, assigned_partitions(app, raw), assigned_partitions(app, buffered))
         await held_step(app, held, raw)
 
