@@ -1,0 +1,75 @@
+"""The buffer of this checkout publishes what the buffer before issue 35 published
+(`replay_buffer`): the same records, clock and entropy give the same takes, record for
+record and in the same order, and the same counters, in the regimes users live in: a
+burst of thousands, and a slow survey on a virtual clock whose records wait past
+max_wait and for the pool's floor."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import replace
+
+import pytest
+import redis.asyncio as aioredis
+from harness import Harness, adult_rows
+from replay_buffer import replay_both
+
+from service.core.ingest import Preparer, RawMessage
+
+pytestmark = pytest.mark.redis
+
+COUNTERS = ("ingested", "published", "suppressed", "pool", "pending", "in_flight", "groups")
+
+
+def seeded(seed: int):
+    def entropy():
+        generator = random.Random(seed)
+        return lambda n: generator.randbytes(n).hex()
+
+    return entropy
+
+
+@pytest.mark.parametrize(
+    ("records", "per_step", "step_ms", "max_wait"),
+    [(4_000, 500, 200, 3.0), (1_500, 3, 20_000, 600.0)],
+    ids=["burst", "slow survey"],
+)
+def test_the_new_buffer_publishes_what_the_old_one_did(
+    servers, tmp_path, records, per_step, step_ms, max_wait
+):
+    harness = Harness(servers, tmp_path, "adult-decoy.toml", row_column=False)
+    config = replace(harness.config, max_wait=max_wait)
+    key = config.service_key()
+    preparer = Preparer(config, key)
+    rows = adult_rows(config)[:records]
+    steps = []
+    offsets = [0] * config.partitions
+    now = 1_000_000
+    for start in range(0, records, per_step):
+        messages = []
+        for k, v in rows[start : start + per_step]:
+            partition = len(messages) % config.partitions
+            messages.append(RawMessage(partition, offsets[partition], k, v))
+            offsets[partition] += 1
+        batches, rejected = preparer.prepare(messages)
+        assert not rejected
+        for batch in batches:
+            steps.append((batch.partition, now, batch, offsets[batch.partition] - 1))
+        now += step_ms
+    # Time goes on without records: waits run out and quiet pools leave.
+    for _ in range(10):
+        now += int(max_wait * 1000)
+        steps += [(p, now, None, -1) for p in range(config.partitions)]
+
+    async def run():
+        client = aioredis.from_url(config.redis_url)
+        try:
+            return await replay_both(client, config, key, steps, seeded(11), tmp_path / "old")
+        finally:
+            await client.aclose()
+
+    old_takes, new_takes, old_totals, new_totals = asyncio.run(run())
+    assert old_takes, "nothing was published: the replay compares nothing"
+    assert new_takes == old_takes
+    assert {c: new_totals[c] for c in COUNTERS} == {c: old_totals[c] for c in COUNTERS}
