@@ -117,8 +117,12 @@ async def keys_left(client: aioredis.Redis, config: StreamConfig) -> dict[bytes,
 
 
 # Keys that never hold a true value, a record or a fingerprint: counters and gauges,
-# delays, close state, the final pool's bookkeeping of which chunks came in.
-KEPT = (b":stats", b":waiting", b":delay", b":close", b":off", b":screened", b":from", b":chunks")
+# delays, close state, the final pool's bookkeeping of which chunks came in, the owner
+# fence's generation.
+KEPT = (
+    b":stats", b":waiting", b":delay", b":close", b":off", b":screened", b":from", b":chunks",
+    b":owner",
+)  # fmt: skip
 
 
 @pytest.mark.parametrize("example", ["adult-decoy.toml", "adult-personal.toml"])

@@ -59,10 +59,12 @@ EXAMPLES = Path(__file__).parents[1] / "deploy" / "examples"
 RECORDS = 3000
 TIMEOUT = 120.0
 # What may remain of a partition once everything is published: counters, aggregates,
-# gauges, the keyed fingerprints, the offset watermark, the gate's offsets and the
-# adversary test's tallies; of an identity shard, its keyed fingerprints, the offsets it
-# screened to and its counters.
-LEFT_BEHIND = {"stats", "waiting", "delay", "sup", "off", "seen", "truth", "shown", "close"}
+# gauges, the keyed fingerprints, the offset watermark, the owner fence's generation, the
+# gate's offsets and the adversary test's tallies; of an identity shard, its keyed
+# fingerprints, the offsets it screened to and its counters.
+LEFT_BEHIND = {
+    "stats", "waiting", "delay", "sup", "off", "seen", "truth", "shown", "close", "owner",
+}  # fmt: skip
 SHARD_LEFT_BEHIND = {"seen", "screened", "stats"}
 EXPIRING = {"truth", "shown"}
 READ_RECORDS = "return redis.call('HGETALL', KEYS[1])"  # a script runs under its caller's ACL
