@@ -31,6 +31,7 @@ gauges and aggregates, never a record; `acl_rules` enforces it in Redis.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 from collections.abc import Callable, Iterable, Mapping
@@ -418,6 +419,7 @@ class StreamBuffer(BufferState):
         # the partitions a rebalance assigned since, whose claim is checked again first.
         self._claims: dict[int, int] = {}
         self._reclaim: set[int] = set()
+        self._claiming: dict[int, asyncio.Lock] = {}
         self._ttl = int((config.record_ttl or 0) * 1000)
         self._retention = int(config.reports.truth_retention * 1000)
         self._closed_retention = int(config.closed_retention * 1000)
@@ -437,12 +439,15 @@ class StreamBuffer(BufferState):
         self._reclaim.update(partitions)
 
     async def _generation(self, partition: int) -> int:
-        held = self._claims.get(partition)
-        if held is None or partition in self._reclaim:
-            claimed = await self._claim(keys=[self.prefix(partition)], args=[held or ""])
-            held = self._claims[partition] = int(claimed)
-            self._reclaim.discard(partition)
-        return held
+        # One claim at a time per partition: two first steps claiming at once would take
+        # two generations, and the older would fence off this worker's own steps.
+        async with self._claiming.setdefault(partition, asyncio.Lock()):
+            held = self._claims.get(partition)
+            if held is None or partition in self._reclaim:
+                claimed = await self._claim(keys=[self.prefix(partition)], args=[held or ""])
+                held = self._claims[partition] = int(claimed)
+                self._reclaim.discard(partition)
+            return held
 
     async def _fenced(self, script: Any, partition: int, args: list) -> Any:
         """Run a step that writes `partition`'s buffer under this worker's claim on it;
