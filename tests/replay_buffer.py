@@ -76,6 +76,21 @@ async def publications(buffer: Any, steps: Iterable[Step]) -> list[list[tuple[by
     return takes
 
 
+async def pooled(buffer: Any) -> list[tuple[bytes, bytes]]:
+    """(public, published) of every record left in `buffer`'s pools, whichever layout the
+    pool has (the baseline's sorted set, or a hash)."""
+    out = []
+    for partition in range(buffer.config.partitions):
+        key = f"{buffer.prefix(partition)}:pool"
+        kind = await buffer.client.type(key)
+        if kind == b"zset":
+            entries = await buffer.client.zrange(key, 0, -1)
+        else:
+            entries = await buffer.client.hvals(key) if kind == b"hash" else []
+        out += [(e.public, e.published) for e in map(PoolEntry.parse, entries)]
+    return out
+
+
 async def replay_both(
     client: aioredis.Redis,
     config: StreamConfig,
@@ -83,9 +98,10 @@ async def replay_both(
     steps: list[Step],
     entropy: Callable[[], Callable[[int], str]],
     directory: Path,
-) -> tuple[list, list, dict[str, int], dict[str, int]]:
+) -> tuple[list, list, list, list, dict[str, int], dict[str, int]]:
     """What the baseline and this checkout's buffer publish from the same `steps`, each
-    with a fresh `entropy()` of the same seed, and their counters summed over partitions."""
+    with a fresh `entropy()` of the same seed, what each leaves in its pools, and their
+    counters summed over partitions."""
     baseline = baseline_buffer_module(directory)
     old_config = replace(config, name=f"{config.name}o")
     new_config = replace(config, name=f"{config.name}n")
@@ -93,4 +109,7 @@ async def replay_both(
     new = StreamBuffer(client, new_config, key, entropy=entropy())
     old_takes = await publications(old, steps)
     new_takes = await publications(new, steps)
-    return old_takes, new_takes, await old.totals(), await new.totals()
+    return (
+        old_takes, new_takes, await pooled(old), await pooled(new),
+        await old.totals(), await new.totals(),
+    )  # fmt: skip
