@@ -83,7 +83,7 @@ async def ingest_all(
 
 
 async def pool_entries(client: aioredis.Redis, buffer: StreamBuffer, partition: int) -> list[bytes]:
-    return await client.zrange(f"{buffer.prefix(partition)}:pool", 0, -1)
+    return await client.hvals(f"{buffer.prefix(partition)}:pool")
 
 
 def test_decoy_groups_draws_and_redelivery(servers):
@@ -295,7 +295,7 @@ def test_mixing_pool_keeps_its_floor_and_releases_whole_only_when_full_and_quiet
         pooled = (await buffer.stats(0))["pool"]
         first = await buffer.take(0, T0, 10_000)
         in_flight = await buffer.in_flight(0)
-        await buffer.acknowledge(0, [token for token, _ in first], T0)
+        await buffer.acknowledge(0, first, T0)
         early = await buffer.take(0, T0 + 1_000, 10_000)
         late = await buffer.take(0, T0 + 2_000, 10_000)
         stats = await buffer.stats(0)
@@ -411,7 +411,7 @@ def test_record_ttl_expires_raw_records_and_never_randomized_ones(servers, examp
     assert after["pending"] == 0 and after["expired"] == before["pending"]
     assert (after["pool"], after["in_flight"]) == (before["pool"], before["in_flight"])
     assert not {"rec", "t", "b", "gq", "waiting"} & set(left), left
-    assert {"pool", "inflight"} <= set(left), left
+    assert {"pool", "takes"} <= set(left), left
     # Fingerprints stay where they are kept (a personal stream's grouped partitions).
     assert ("seen" in left) == (config.personal is not None), left
     assert set(resumed.statuses) == {0}
@@ -430,21 +430,23 @@ def test_adversary_truth_counts_published_records_only_and_expires(servers, exam
         buffer, preparer = StreamBuffer(client, config, KEY), Preparer(config, KEY)
         await ingest_all(buffer, preparer, adult_messages(config, 1000), T0)
         pooled = await TrustedState(client, config).truth()
-        taken = await buffer.take(0, T0, 10_000)
+        half = ((await buffer.stats(0))["pool"] - config.mixing_pool) // 2
+        halves = [await buffer.take(0, T0, half), await buffer.take(0, T0, 10_000)]
         held = await TrustedState(client, config).truth()
-        half = len(taken) // 2
-        await buffer.acknowledge(0, [token for token, _ in taken[:half]], T0)
+        await buffer.acknowledge(0, halves[0], T0)
+        again = await buffer.take(0, T0, 10_000)  # nothing left above the floor
+        await buffer.acknowledge(0, halves[0], T0)  # a repeated acknowledgement adds nothing
         first = await TrustedState(client, config).truth()
         later = T0 + 2 * retention  # two periods on: the first tallies are dropped
-        await buffer.acknowledge(0, [token for token, _ in taken[half:]], later)
+        await buffer.acknowledge(0, halves[1], later)
         second = await TrustedState(client, config).truth()
         expiry = [await client.pttl(k) async for k in client.scan_iter(
                   match=f"{buffer.prefix(0)}:truth:*")]  # fmt: skip
         await client.aclose()
-        return pooled, taken, held, first, second, expiry
+        return pooled, halves, again, held, first, second, expiry
 
-    pooled, taken, held, first, second, expiry = run(scenario())
-    assert len(taken) > 100
+    pooled, halves, again, held, first, second, expiry = run(scenario())
+    assert len(halves[1]) >= len(halves[0]) > 50 and again == []
     assert pooled == held == ({}, {})  # pooled or in flight: not published yet
 
     def tallies(items):
@@ -452,9 +454,8 @@ def test_adversary_truth_counts_published_records_only_and_expires(servers, exam
         return (Counter(cell_key(e.public, e.true) for e in entries),
                 Counter(cell_key(e.public, e.published) for e in entries))  # fmt: skip
 
-    half = len(taken) // 2
-    assert tuple(map(Counter, first)) == tallies(taken[:half])
-    assert tuple(map(Counter, second)) == tallies(taken[half:])
+    assert tuple(map(Counter, first)) == tallies(halves[0])
+    assert tuple(map(Counter, second)) == tallies(halves[1])
     assert first[0] != first[1]  # some values were randomized
     assert len(expiry) == 1 and all(0 < ttl <= 2 * retention for ttl in expiry)
 
