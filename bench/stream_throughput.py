@@ -168,12 +168,10 @@ COMMAND_TYPES = {
         ["zadd", "zrem", "zpopmin", "zrange", "zrangebyscore", "zcard", "zscore"], "zset"
     ),
     **dict.fromkeys(
-        [
-            "hset", "hmset", "hget", "hdel", "hincrby", "hmget", "hgetall", "hexists", "hlen",
-            "hkeys",
-        ],
+        ["hset", "hget", "hdel", "hincrby", "hmget", "hgetall", "hexists", "hlen", "hkeys"],
         "hash",
     ),
+    "hmset": "hash",
     **dict.fromkeys(["sadd", "srem", "smembers", "scard"], "set"),
     **dict.fromkeys(["rpush", "lpop", "llen"], "list"),
     **dict.fromkeys(["get", "set"], "string"),

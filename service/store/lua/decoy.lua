@@ -25,9 +25,9 @@
 -- of attribute a, value v (members are ids, score 0, so ZPOPMIN takes the smallest
 -- random id); :n:<a> value -> bucket size; :grp:<number> a group that is not sealed yet
 -- (below); :hole:<a>:<v> groups missing a member of value v of attribute a; :pool the
--- mixing pool (pool.lua), an entry being "public|published|audit|true values|arrival|id" (audit: the
--- group's number and values per attribute; the emitter publishes only the first two
--- fields); :stats counters and gauges; :sup "<a>:<v>" -> suppressed.
+-- mixing pool (pool.lua), an entry being "public|published|audit|true values|arrival|id"
+-- (audit: the group's number and values per attribute; the emitter publishes only the
+-- first two fields); :stats counters and gauges; :sup "<a>:<v>" -> suppressed.
 --
 -- Group integrity. A published count is Binomial(γf, 1/γ) only if every group that
 -- publishes any member publishes all γ of them. With several sensitive attributes a

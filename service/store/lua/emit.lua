@@ -72,7 +72,8 @@ elseif redis.call('HGET', base .. ':close', 'state') == 'releasing' then
 else
   count = math.min(size - floor, limit)
   if count <= 0 and size > 0 and size >= floor then
-    if now - tonumber(redis.call('GET', base .. ':pooled')) >= quiet_ms then count = size end
+    local pooled = tonumber(redis.call('GET', base .. ':pooled') or 0)
+    if now - pooled >= quiet_ms then count = size end
   end
 end
 if count <= 0 then return {size, ''} end
@@ -88,7 +89,7 @@ end
 -- stays dense in 1..size - count. The draw is the textbook one over the positions read
 -- from the end (tests/test_grouping_leak.py writes it again). It runs on positions first:
 -- `from[p]`, the position whose record now sits at p (p itself if absent), so that every
--- record the take touches is read in one HMGET and written in one HSET.
+-- record the take touches is read in one HMGET and written in one HMSET.
 local uniform = sha1_uniforms(seed, 0, 12, given_blocks)
 local from, drawn = {}, {}
 for step = 1, count do

@@ -44,9 +44,9 @@
 -- value v; :g:<group>:tv values with trials; :gstat "<group>|total", "<group>|trials",
 -- "<group>|c:<v>" (true counts), "<group>|borrowed" (borrowed copies) and
 -- "<group>|frozen" (1 once its bound failed): the aggregates the budget test reads
--- (service/store/auditor.py, in the worker); :pool the mixing pool (pool.lua), an entry being
--- "public|published|t, c or b (trial, copy, borrowed copy)|true value|arrival|id", of
--- which the emitter publishes the first two fields; :stats counters and gauges, none of
+-- (service/store/auditor.py, in the worker); :pool the mixing pool (pool.lua), an entry
+-- being "public|published|t, c or b (trial, copy, borrowed copy)|true value|arrival|id",
+-- of which the emitter publishes the first two fields; :stats counters and gauges, none of
 -- them counting trials or copies: whether a record is a trial depends on its value.
 
 local base = KEYS[1]
