@@ -171,6 +171,7 @@ COMMAND_TYPES = {
         ["hset", "hget", "hdel", "hincrby", "hmget", "hgetall", "hexists", "hlen", "hkeys"],
         "hash",
     ),
+    "hmset": "hash",
     **dict.fromkeys(["sadd", "srem", "smembers", "scard"], "set"),
     **dict.fromkeys(["rpush", "lpop", "llen"], "list"),
     **dict.fromkeys(["get", "set"], "string"),
@@ -178,10 +179,11 @@ COMMAND_TYPES = {
     **dict.fromkeys(["evalsha", "eval"], "Lua"),
 }
 KEY_TYPES = (
-    "zset: mixing pool (:pool), value buckets (:b:*), arrival index (:t); hash: records (:rec), "
-    "in flight (:inflight), counters (:stats, :waiting, :n:*, :delay, :sup), fingerprints "
-    "(:seen), groups (:grp:*), truth tallies (:truth:*); set: open groups, holes; "
-    "list: holes per value; string: offset watermark (:off), pause flag"
+    "zset: value buckets (:b:*), arrival index (:t); hash: mixing pool (:pool), records "
+    "(:rec), takes in flight (:takes), counters (:stats, :waiting, :n:*, :delay, :sup), "
+    "fingerprints (:seen), groups (:grp:*), truth tallies (:truth:*); set: open groups, "
+    "holes; list: holes per value; string: offset watermark (:off), pool's last addition "
+    "(:pooled), pause flag"
 )
 
 # What a sampler returns: (kind, name) -> a counter that only grows, such as

@@ -28,7 +28,7 @@ from service.core.config import StreamConfig, load_config
 from service.core.ingest import PreparedBatch
 from service.core.table import open_sample
 from service.core.wire import PoolEntry
-from service.store.buffer import BufferState, IngestOutcome, StreamBuffer
+from service.store.buffer import BufferState, IngestOutcome, StreamBuffer, takes_in_flight
 from streams.runtime.app import partition_of
 from streams.runtime.kafka import client_options
 
@@ -119,8 +119,9 @@ class Harness:
         out = {}
         for partition in range(self.config.partitions):
             prefix = BufferState(client, self.config).prefix(partition)
-            entries = list(await client.zrange(f"{prefix}:pool", 0, -1))
-            entries += list((await client.hgetall(f"{prefix}:inflight")).values())
+            entries = list(await client.hvals(f"{prefix}:pool"))
+            taken = takes_in_flight(await client.hgetall(f"{prefix}:takes"))
+            entries += [entry for _, entry in taken]
             for entry in map(PoolEntry.parse, entries):
                 # `row` is the first public column.
                 out[entry.public.decode().split(",")[0]] = entry.published.decode()
@@ -150,11 +151,11 @@ class Harness:
         for partition in range(self.config.partitions):
             prefix = BufferState(client, self.config).prefix(partition)
             async with client.pipeline(transaction=True) as pipe:
-                pipe.zrange(f"{prefix}:pool", 0, -1)
-                pipe.hgetall(f"{prefix}:inflight")
-                pool, in_flight = await pipe.execute()
+                pipe.hvals(f"{prefix}:pool")
+                pipe.hgetall(f"{prefix}:takes")
+                pool, takes = await pipe.execute()
             out += [(partition, None, entry) for entry in pool]
-            out += [(partition, token.decode(), entry) for token, entry in in_flight.items()]
+            out += [(partition, token, entry) for token, entry in takes_in_flight(takes)]
         return out
 
     async def read_all(self, topic: str, timeout: float = 60.0) -> list[ConsumerRecord]:
@@ -267,6 +268,23 @@ class FaustNamedAssignor(RoundRobinPartitionAssignor):
     """Round robin under the protocol name Faust's workers join with."""
 
     name = "faust"
+
+
+async def add_to_pool(
+    client: aioredis.Redis, prefix: str, entries: Sequence[bytes], now_ms: int
+) -> None:
+    """Append entries to a mixing pool as the ingest steps do (service/store/lua/pool.lua):
+    positions after its last, and the time it last received records."""
+    size = await client.hlen(f"{prefix}:pool")
+    await client.hset(f"{prefix}:pool", mapping=dict(enumerate(entries, size + 1)))
+    await client.set(f"{prefix}:pooled", now_ms)
+
+
+async def pool_in_draw_order(client: aioredis.Redis, prefix: str) -> list[bytes]:
+    """A mixing pool's entries in the order emit.lua's draw reads its positions: from the
+    last to the first."""
+    pool = await client.hgetall(f"{prefix}:pool")
+    return [pool[b"%d" % position] for position in range(len(pool), 0, -1)]
 
 
 def adult_rows(config: StreamConfig, start: int = 0) -> list[tuple[bytes, bytes]]:

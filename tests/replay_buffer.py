@@ -72,7 +72,9 @@ async def publications(buffer: Any, steps: Iterable[Step]) -> list[list[tuple[by
         while items := await buffer.take(partition, now, TAKE_LIMIT):
             entries = [PoolEntry.parse(entry) for _, entry in items]
             takes.append([(entry.public, entry.published) for entry in entries])
-            await buffer.acknowledge(partition, [token for token, _ in items], now)
+            # This checkout's buffer acknowledges takes, the baseline's tokens.
+            tokens = [token for token, _ in items]
+            await buffer.acknowledge(partition, items if hasattr(items, "takes") else tokens, now)
     return takes
 
 

@@ -12,6 +12,7 @@ import csv
 import itertools
 import json
 import math
+import random
 import tomllib
 import uuid
 from collections import Counter
@@ -22,6 +23,7 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 from harness import GroupedHops
+from scipy.stats import chi2 as stats_chi2
 from scipy.stats import norm as stats_norm
 from virtual_worker import VirtualWorker
 
@@ -83,7 +85,7 @@ async def ingest_all(
 
 
 async def pool_entries(client: aioredis.Redis, buffer: StreamBuffer, partition: int) -> list[bytes]:
-    return await client.zrange(f"{buffer.prefix(partition)}:pool", 0, -1)
+    return await client.hvals(f"{buffer.prefix(partition)}:pool")
 
 
 def test_decoy_groups_draws_and_redelivery(servers):
@@ -295,7 +297,7 @@ def test_mixing_pool_keeps_its_floor_and_releases_whole_only_when_full_and_quiet
         pooled = (await buffer.stats(0))["pool"]
         first = await buffer.take(0, T0, 10_000)
         in_flight = await buffer.in_flight(0)
-        await buffer.acknowledge(0, [token for token, _ in first], T0)
+        await buffer.acknowledge(0, first, T0)
         early = await buffer.take(0, T0 + 1_000, 10_000)
         late = await buffer.take(0, T0 + 2_000, 10_000)
         stats = await buffer.stats(0)
@@ -312,6 +314,68 @@ def test_mixing_pool_keeps_its_floor_and_releases_whole_only_when_full_and_quiet
     assert early == [] and len(late) == 1000  # a full pool quiet for flush_interval leaves
     assert stats["published"] == len(first) and stats["in_flight"] == 1000
     assert 0 < small < 1000 and never == []
+
+
+def test_a_take_is_a_uniform_sample_in_uniform_order(servers):
+    """A take of 2 from a pool of 5 (moving records into the positions taken), then of the 3
+    left: over 1,200 seeded trials, every one of the 120 orders of the 5 records is as
+    likely. Pearson's chi-square over the 120 cells (10 expected each, 119 degrees of
+    freedom) rejects at p < 0.001."""
+    config = replace(stream_config("adult-decoy.toml", partitions=1), mixing_pool=0)
+    trials, records = 1200, [b"p|1|0:1|1|%d|%032x" % (T0, i) for i in range(5)]
+    draws = random.Random(35)
+
+    async def scenario():
+        client = aioredis.from_url(servers.redis_url)
+        buffer = StreamBuffer(client, config, KEY, entropy=lambda n: draws.randbytes(n).hex())
+        prefix, orders = buffer.prefix(0), Counter()
+        for _ in range(trials):
+            async with client.pipeline(transaction=True) as pipe:
+                pipe.delete(f"{prefix}:pool", f"{prefix}:takes")
+                pipe.hset(f"{prefix}:pool", mapping=dict(enumerate(records, 1)))
+                pipe.set(f"{prefix}:pooled", T0)
+                await pipe.execute()
+            first, rest = await buffer.take(0, T0, 2), await buffer.take(0, T0, 3)
+            orders[tuple(entry[-1] for _, entry in first + rest)] += 1
+        await client.aclose()
+        return orders
+
+    orders = run(scenario())
+    assert sum(orders.values()) == trials and all(len(set(order)) == 5 for order in orders)
+    expected = trials / math.factorial(5)
+    cells = itertools.permutations(b"01234")
+    statistic = sum((orders[cell] - expected) ** 2 / expected for cell in cells)
+    assert statistic < stats_chi2.ppf(0.999, math.factorial(5) - 1), statistic
+
+
+def test_a_take_re_sent_after_a_crash_keeps_its_tokens_and_counts_once(servers):
+    """Takes never acknowledged (the worker crashed) come back to the next owner whole,
+    under the same tokens, in another order; acknowledging them, and the crashed worker's
+    late acknowledgement of one of them, publish each record once."""
+    config = stream_config("adult-decoy.toml", partitions=1, max_wait=1000.0, mixing_pool=50)
+
+    async def scenario():
+        client = aioredis.from_url(servers.redis_url)
+        buffer, preparer = StreamBuffer(client, config, KEY), Preparer(config, KEY)
+        await ingest_all(buffer, preparer, adult_messages(config, 1000), T0)
+        taken = [await buffer.take(0, T0, 300), await buffer.take(0, T0, 300)]
+        restarted = StreamBuffer(client, config, KEY)
+        again = await restarted.in_flight(0)
+        await restarted.acknowledge(0, again, T0)
+        await buffer.acknowledge(0, taken[0], T0)
+        left = await restarted.in_flight(0)
+        stats, truth = await buffer.stats(0), await TrustedState(client, config).truth()
+        await client.aclose()
+        return taken, again, left, stats, truth
+
+    taken, again, left, stats, truth = run(scenario())
+    both = taken[0] + taken[1]
+    assert len(both) == 600 and len({token for token, _ in both}) == 600
+    assert all(len(token) == 32 and int(token, 16) >= 0 for token, _ in both)
+    assert sorted(again) == sorted(both) and list(again) != both
+    assert set(again.takes) == set(taken[0].takes) | set(taken[1].takes)
+    assert left == [] and stats["published"] == 600 and stats["in_flight"] == 0
+    assert sum(truth[0].values()) == sum(truth[1].values()) == 600
 
 
 def test_personal_trials_copies_and_budget(servers):
@@ -411,7 +475,7 @@ def test_record_ttl_expires_raw_records_and_never_randomized_ones(servers, examp
     assert after["pending"] == 0 and after["expired"] == before["pending"]
     assert (after["pool"], after["in_flight"]) == (before["pool"], before["in_flight"])
     assert not {"rec", "t", "b", "gq", "waiting"} & set(left), left
-    assert {"pool", "inflight"} <= set(left), left
+    assert {"pool", "takes"} <= set(left), left
     # Fingerprints stay where they are kept (a personal stream's grouped partitions).
     assert ("seen" in left) == (config.personal is not None), left
     assert set(resumed.statuses) == {0}
@@ -430,21 +494,23 @@ def test_adversary_truth_counts_published_records_only_and_expires(servers, exam
         buffer, preparer = StreamBuffer(client, config, KEY), Preparer(config, KEY)
         await ingest_all(buffer, preparer, adult_messages(config, 1000), T0)
         pooled = await TrustedState(client, config).truth()
-        taken = await buffer.take(0, T0, 10_000)
+        half = ((await buffer.stats(0))["pool"] - config.mixing_pool) // 2
+        halves = [await buffer.take(0, T0, half), await buffer.take(0, T0, 10_000)]
         held = await TrustedState(client, config).truth()
-        half = len(taken) // 2
-        await buffer.acknowledge(0, [token for token, _ in taken[:half]], T0)
+        await buffer.acknowledge(0, halves[0], T0)
+        again = await buffer.take(0, T0, 10_000)  # nothing left above the floor
+        await buffer.acknowledge(0, halves[0], T0)  # a repeated acknowledgement adds nothing
         first = await TrustedState(client, config).truth()
         later = T0 + 2 * retention  # two periods on: the first tallies are dropped
-        await buffer.acknowledge(0, [token for token, _ in taken[half:]], later)
+        await buffer.acknowledge(0, halves[1], later)
         second = await TrustedState(client, config).truth()
         expiry = [await client.pttl(k) async for k in client.scan_iter(
                   match=f"{buffer.prefix(0)}:truth:*")]  # fmt: skip
         await client.aclose()
-        return pooled, taken, held, first, second, expiry
+        return pooled, halves, again, held, first, second, expiry
 
-    pooled, taken, held, first, second, expiry = run(scenario())
-    assert len(taken) > 100
+    pooled, halves, again, held, first, second, expiry = run(scenario())
+    assert len(halves[1]) >= len(halves[0]) > 50 and again == []
     assert pooled == held == ({}, {})  # pooled or in flight: not published yet
 
     def tallies(items):
@@ -452,9 +518,8 @@ def test_adversary_truth_counts_published_records_only_and_expires(servers, exam
         return (Counter(cell_key(e.public, e.true) for e in entries),
                 Counter(cell_key(e.public, e.published) for e in entries))  # fmt: skip
 
-    half = len(taken) // 2
-    assert tuple(map(Counter, first)) == tallies(taken[:half])
-    assert tuple(map(Counter, second)) == tallies(taken[half:])
+    assert tuple(map(Counter, first)) == tallies(halves[0])
+    assert tuple(map(Counter, second)) == tallies(halves[1])
     assert first[0] != first[1]  # some values were randomized
     assert len(expiry) == 1 and all(0 < ttl <= 2 * retention for ttl in expiry)
 

@@ -108,7 +108,7 @@ def lua_cut(redis_url: str, gamma: int, ids: np.ndarray, values: np.ndarray) -> 
         buffer = StreamBuffer(client, config, KEY)
         outcome = await buffer.ingest(0, batch, T0)
         assert set(outcome.statuses) <= {0}
-        entries = await client.zrange(f"{buffer.prefix(0)}:pool", 0, -1)
+        entries = await client.hvals(f"{buffer.prefix(0)}:pool")
         await buffer.ingest(0, None, T0 + int(config.max_wait * 1000) + 1)
         suppressed = (await buffer.stats(0))["suppressed"]
         await client.aclose()

@@ -71,7 +71,7 @@ POLL = 0.1  # seconds between snapshots and fault decisions
 FAULT_TIMEOUT = 150.0
 SETTLE_TIMEOUT = 60.0
 QUIET = 1.5  # seconds past the flush interval: anything still to publish would be out
-POOL_ADD = b' lua] "ZADD" "'  # a Lua step's ZADD as MONITOR shows it
+POOL_ADD = b' lua] "HSET" "'  # a Lua step's HSET as MONITOR shows it (pool.lua)
 
 
 @dataclass(frozen=True)

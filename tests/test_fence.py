@@ -69,11 +69,11 @@ def test_the_older_claim_is_refused_at_every_step_and_writes_nothing(servers, tm
             with pytest.raises(FencedError, match=STALE):
                 await old.take(0, 2_500, 50)
             with pytest.raises(FencedError, match=STALE):
-                await old.acknowledge(0, [token for token, _ in taken], 2_500)
+                await old.acknowledge(0, taken, 2_500)
             assert await snapshot(client, prefix) == before
             # The new owner re-sends what the old one left in flight, and goes on.
             assert sorted(await new.in_flight(0)) == sorted(taken)
-            await new.acknowledge(0, [token for token, _ in taken], 3_000)
+            await new.acknowledge(0, taken, 3_000)
             await new.ingest(0, rest, 3_000, 1199)
             # Kept through a rebalance, a claim stays: the new owner's steps go on.
             new.assigned({0})

@@ -61,6 +61,7 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from harness import add_to_pool, pool_in_draw_order
 from virtual_worker import VirtualWorker
 
 from service.core.config import StreamConfig, parse_config
@@ -164,6 +165,7 @@ async def publish_stream(servers, config: StreamConfig, records: int, arrival) -
     flush_ms = int(config.flush_interval * 1000)
     labels: dict[tuple[int, bytes], int] = {}
     label_of: dict[bytes, int] = {}
+    pooled: set[bytes] = set()  # entries seen in a pool: the rest entered it now
     entered, rounds, takes, sent = [], [], [], []
     finalized: dict[int, tuple[int, str]] = {}
     final_ready = None
@@ -187,7 +189,8 @@ async def publish_stream(servers, config: StreamConfig, records: int, arrival) -
             await worker.tick(now)
             for source in range(sources):
                 pool = f"{buffer.prefix(source)}:pool"
-                for raw in await client.zrangebyscore(pool, now, now):
+                for raw in set(await client.hvals(pool)) - pooled:
+                    pooled.add(raw)
                     entry = PoolEntry.parse(raw)
                     group = int(entry.audit.partition(b":")[0])
                     label = labels.setdefault((source, group), len(labels))
@@ -513,9 +516,9 @@ def test_each_take_is_shuffled_by_128_fresh_bits_and_nothing_shorter(servers):
             for i, r in enumerate(rows)
         ]
         await buffer.ingest(0, preparer.prepare(messages)[0][0], T0)
-        pool = await client.zrange(f"{buffer.prefix(0)}:pool", 0, -1)
+        pool = await pool_in_draw_order(client, buffer.prefix(0))
         first = await buffer.take(0, T0, 60)
-        await client.zadd(f"{buffer.prefix(0)}:pool", dict.fromkeys([e for _, e in first], T0))
+        await add_to_pool(client, buffer.prefix(0), [e for _, e in first], T0)
         second = await buffer.take(0, T0, 60)
         await client.aclose()
         return pool, first, second
@@ -529,9 +532,9 @@ def test_each_take_is_shuffled_by_128_fresh_bits_and_nothing_shorter(servers):
 
 @pytest.mark.parametrize("count", [100, EMIT_CHUNK])
 def test_a_take_reads_by_rank_or_whole_and_draws_the_same(servers, count):
-    """A small take from a large pool reads only the positions its swaps touch; a large
-    one reads the pool whole. Both are the reference draw, and a take of EMIT_CHUNK
-    records lands in flight whole (its writes are chunked)."""
+    """A take, small or large, reads only the positions its swaps touch, and is the
+    reference draw over the pool's positions from the last; a take of EMIT_CHUNK records
+    lands in flight whole (its reads and writes are chunked)."""
     config = replace(stream_config(), mixing_pool=0)
     seed = random.Random(count).randbytes(SHUFFLE_SEED_BYTES).hex()
 
@@ -539,11 +542,11 @@ def test_a_take_reads_by_rank_or_whole_and_draws_the_same(servers, count):
         client = aioredis.from_url(servers.redis_url)
         buffer = StreamBuffer(client, config, KEY, entropy=lambda n: seed)
         prefix = buffer.prefix(0)
-        pool = {f"p|1|0:1|1|{T0}|{i:032x}".encode(): T0 for i in range(EMIT_CHUNK + 1000)}
-        await client.zadd(f"{prefix}:pool", pool)
-        ordered = await client.zrange(f"{prefix}:pool", 0, -1)
+        pool = [f"p|1|0:1|1|{T0}|{i:032x}".encode() for i in range(EMIT_CHUNK + 1000)]
+        await add_to_pool(client, prefix, pool, T0)
+        ordered = await pool_in_draw_order(client, prefix)
         taken = await buffer.take(0, T0, count)
-        in_flight = await client.hgetall(f"{prefix}:inflight")
+        in_flight = {token.encode(): entry for token, entry in await buffer.in_flight(0)}
         await client.aclose()
         return ordered, taken, in_flight
 
@@ -553,9 +556,10 @@ def test_a_take_reads_by_rank_or_whole_and_draws_the_same(servers, count):
 
 
 def test_the_worker_hashes_a_takes_tokens_and_shuffle_as_redis_would(servers):
-    """The worker hashes the tokens and shuffle blocks of the records it expects a take to
-    release (`take_tokens`, from the pool size it last saw) and Redis hashes the rest: the
-    take is the same whoever hashed which part. Partition 0's worker saw 200 of its 400
+    """The worker hashes the shuffle blocks of the records it expects a take to release
+    (`shuffle_blocks`, from the pool size it last saw) and Redis hashes the rest: the take
+    is the same whoever hashed which part, and so are its tokens (`take_tokens`, from its
+    seed). Partition 0's worker saw 200 of its 400
     pooled records (a tick), so it hashes 200 and Redis 100 of a take of 300; partition 1's
     saw none, so Redis hashes all 300."""
     config = replace(stream_config(), mixing_pool=0)
@@ -565,10 +569,10 @@ def test_the_worker_hashes_a_takes_tokens_and_shuffle_as_redis_would(servers):
         client = aioredis.from_url(servers.redis_url)
         buffer = StreamBuffer(client, config, KEY, entropy=lambda n: seed)
         entries = [f"p|1|0:1|1|{T0}|{i:032x}".encode() for i in range(400)]
-        await client.zadd(f"{buffer.prefix(0)}:pool", dict.fromkeys(entries[:200], T0))
+        await add_to_pool(client, buffer.prefix(0), entries[:200], T0)
         await buffer.ingest(0, None, T0)
-        for partition in (0, 1):
-            await client.zadd(f"{buffer.prefix(partition)}:pool", dict.fromkeys(entries, T0))
+        await add_to_pool(client, buffer.prefix(0), entries[200:], T0)
+        await add_to_pool(client, buffer.prefix(1), entries, T0)
         takes = [await buffer.take(partition, T0, 300) for partition in (0, 1)]
         await client.aclose()
         return takes

@@ -135,7 +135,7 @@ async def through_lua(
         await hops.store(prepared[0], now)
         now += 100
     await buffer.ingest(0, None, now + int(config.max_wait * 1000))
-    pool = await client.zrange(f"{buffer.prefix(0)}:pool", 0, -1)
+    pool = await client.hvals(f"{buffer.prefix(0)}:pool")
     groups = await TrustedState(client, config).personal_groups()
     await client.aclose()
     return batches, [PoolEntry.parse(e) for e in pool], groups

@@ -194,8 +194,8 @@ def test_least_privilege_no_raw_values_in_logs_or_left_in_redis(servers, tmp_pat
         for role in passwords:
             assert asyncio.run(forbidden(role, admin_only)) == [c[0] for c in admin_only]
         prefix = BufferState(None, config).prefix(0)  # type: ignore[arg-type]
-        records = (("HGETALL", f"{prefix}:rec"), ("ZRANGE", f"{prefix}:pool", "0", "-1"),
-                   ("HGETALL", f"{prefix}:inflight"), ("HGETALL", f"{prefix}:seen"),
+        records = (("HGETALL", f"{prefix}:rec"), ("HGETALL", f"{prefix}:pool"),
+                   ("HGETALL", f"{prefix}:takes"), ("HGETALL", f"{prefix}:seen"),
                    ("ZRANGE", f"{prefix}:b:1:0", "0", "-1"), ("HLEN", f"{prefix}:rec"),
                    ("SCAN", "0"), ("EVAL", READ_RECORDS, "1", f"{prefix}:rec"))  # fmt: skip
         assert asyncio.run(forbidden("consumer", records)) == [c[0] for c in records]

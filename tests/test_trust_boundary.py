@@ -56,7 +56,7 @@ READABLE = {"stats", "waiting", "delay", "close", "audit", "paused"}
 # Keys that hold a true value, by the part after the hash tag.
 TRUE_VALUES = {
     "rec", "t", "b", "n", "grp", "hole", "holes", "open", "g", "gq", "gstat", "pool",
-    "inflight", "handoff", "truth", "sup", "seen", "screened",
+    "takes", "handoff", "truth", "sup", "seen", "screened",
 }  # fmt: skip
 READ = {
     b"string": ("GET",),

@@ -77,7 +77,7 @@ def test_what_the_lua_steps_write_the_owner_reads(servers, example):
         buffer = StreamBuffer(client, config, KEY)
         batches, _ = await ingest_all(buffer, preparer, messages, T0)
         taken = await buffer.take(0, T0, 10_000)
-        await buffer.acknowledge(0, [token for token, _ in taken], T0)
+        await buffer.acknowledge(0, taken, T0)
         tallies = [k async for k in client.scan_iter(match=f"{buffer.prefix(0)}:truth:*")]
         cells = {c: n for key in tallies for c, n in (await client.hgetall(key)).items()}
         truth = await TrustedState(client, config).truth()

@@ -18,9 +18,10 @@ Cell key (a published cell, as the consumer counts it and the audit's tallies ho
 
     public|sensitive
 
-  Comma-separated codes as in a pool entry. acknowledge.lua writes the truth tally's cells
-  as ``public|published|true`` (`truth_cell`), the pool entry's first two fields and its
-  true codes: both sides of a record in one cell, counted once.
+  Comma-separated codes as in a pool entry. The truth tally's cells are
+  ``public|published|true`` (`truth_cell`), the pool entry's first two fields and its
+  true codes: both sides of a record in one cell, counted once. The worker makes them
+  (`truth_and_arrival`) and acknowledge.lua adds them up.
 
 Published record (the worker writes it to ``<stream>.published``; the consumer, the
 reader and `splu run` read it): a JSON object of attribute name to label, in schema
@@ -77,6 +78,13 @@ def shown_fields(entry: bytes) -> tuple[bytes, bytes]:
     parsing the rest."""
     public, published, _ = entry.split(FIELD, 2)
     return public, published
+
+
+def truth_and_arrival(entry: bytes) -> tuple[bytes, bytes]:
+    """A pool entry's truth tally cell (`truth_cell`) and its arrival, as text: what the
+    acknowledgement of a take counts. One split, as the worker does this per record."""
+    public, published, _, true, arrival, _ = entry.split(FIELD)
+    return FIELD.join((public, published, true)), arrival
 
 
 def cell_key(public: bytes, sensitive: bytes) -> bytes:

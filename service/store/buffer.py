@@ -13,17 +13,17 @@ What reaches a buffer has passed the stream's gate and identity screen
 - ``ingest``: store a batch idempotently and cut/release every group it
   allows, randomizing members and handing them to the mixing pool; records
   that waited past ``max_wait`` are suppressed (decoy) or released (personal);
-- ``take``: move records from the mixing pool to the in-flight hash under
-  fresh tokens, for publication, by the mixing rule of ``emit.lua``: only the
-  excess over the pool's floor, drawn uniformly and shuffled from 128 fresh
-  bits of OS randomness per take; a quiet pool leaves whole only if it holds at
-  least the floor; at a survey's close a pool of at least the floor leaves whole, and
-  the stream's final pool (`FINAL_POOL`), every partition's remainder, leaves whole
-  once all are in;
-- ``acknowledge``: drop tokens the broker acknowledged, and count them, with
-  their true values, into the truth tally of the adversary test (kept for one
-  to two ``reports.truth_retention`` periods). Whatever is still in flight after
-  a crash is re-sent with the same tokens.
+- ``take``: move records from the mixing pool to a take in flight, for
+  publication, by the mixing rule of ``emit.lua``: only the excess over the pool's
+  floor, drawn uniformly and shuffled from 128 fresh bits of OS randomness per
+  take, which also give the records' tokens; a quiet pool leaves whole only if it
+  holds at least the floor; at a survey's close a pool of at least the floor leaves
+  whole, and the stream's final pool (`FINAL_POOL`), every partition's remainder,
+  leaves whole once all are in;
+- ``acknowledge``: forget takes the broker acknowledged, and count their records,
+  with their true values, into the truth tally of the adversary test (kept for one
+  to two ``reports.truth_retention`` periods), and their delays. Whatever is still
+  in flight after a crash is re-sent with the same tokens.
 
 What the consumer (the web-facing process) may read is `BufferState`: counters,
 gauges and aggregates, never a record; `acl_rules` enforces it in Redis.
@@ -32,12 +32,14 @@ gauges and aggregates, never a record; `acl_rules` enforces it in Redis.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
 import secrets
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass
-from hashlib import sha1
+from hashlib import sha1, shake_128
 from importlib import resources
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -49,9 +51,10 @@ from service.core.config import StreamConfig
 from service.core.guarantees import budget_level, trial_limit
 from service.core.ingest import PreparedBatch
 from service.core.prf import ServiceKey
+from service.core.wire import truth_and_arrival
 
-# Upper bounds of the delay histogram in ms (lua/emit.lua counts with these). Slow streams
-# wait for the mixing pool's floor to fill, so the bounds reach a day.
+# Upper bounds of the delay histogram in ms (`StreamBuffer.acknowledge` counts with these).
+# Slow streams wait for the mixing pool's floor to fill, so the bounds reach a day.
 DELAY_BOUNDS_MS = (
     100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000, 120000, 300000, 900000,
     3600000, 14400000, 86400000,
@@ -60,7 +63,8 @@ DELAY_BOUNDS_MS = (
 COUNTERS = ("ingested", "published", "suppressed", "rejected", "redelivered", "conflicts")
 # Fresh OS randomness behind each take's shuffle and tokens: 128 bits, beyond any search.
 SHUFFLE_SEED_BYTES = 16
-TOKEN_HEX = 32  # an emission token: 128 bits of SHA-1, as hex (emit.lua)
+TOKEN_HEX = 32  # an emission token: 128 bits, as hex (`take_tokens`)
+TAKE_SEPARATOR = b"\n"  # between the entries of a take in flight (emit.lua)
 # The stream's final pool, where a closed stream's partitions leave the remainders below
 # their floor to be mixed together (SPEC §3, a survey's end; `service.store.lifecycle`). It is
 # taken, acknowledged and re-sent like a partition's pool, by the owner of partition 0.
@@ -84,7 +88,7 @@ _ACL_CLUSTER_COMMANDS = " +cluster|slots +command"
 _ACL_REPLICA_COMMANDS = " +wait"
 ROLES = ("worker", "consumer")
 # Keys of a partition the consumer may read: counters and gauges, the delay histogram and
-# the close's state. Never a record, a bucket, the pool, an in-flight entry, a
+# the close's state. Never a record, a bucket, the pool, a take in flight, a
 # fingerprint, nor a tally or aggregate of true values (the truth tally, personal group
 # counts, suppression per value): the privacy tests that need those run in the worker
 # (`service.store.auditor`), and the consumer reads their verdicts.
@@ -232,22 +236,78 @@ def lua_script(*names: str) -> str:
     return "".join(scripts.joinpath(f"{name}.lua").read_text() for name in names)
 
 
-def _lua_list(values: tuple[int, ...]) -> str:
-    return "{" + ", ".join(map(str, values)) + "}"
-
-
-def take_tokens(seed: str, count: int) -> tuple[str, str]:
-    """What emit.lua hashes for a take of `count` records, hashed here instead: Redis is
-    the pipeline's busiest process, and hashing would be most of its work in a take.
-    The tokens, the first 32 hex digits of SHA-1(seed:t:j) for j = 1..count, and the
-    shuffle's blocks, SHA-1(seed:k) for k = 1..ceil(count / 3) (three uniforms a block),
-    each concatenated."""
+def shuffle_blocks(seed: str, count: int) -> str:
+    """What emit.lua hashes for the shuffle of a take of `count` records, hashed here
+    instead: Redis is the pipeline's busiest process, and hashing would be most of its
+    work in a take. SHA-1(seed:k) for k = 1..ceil(count / 3) (three uniforms a block),
+    concatenated; emit.lua hashes whatever more it needs."""
     key = seed.encode()
-    tokens = "".join(
-        sha1(b"%b:t:%d" % (key, j)).hexdigest()[:TOKEN_HEX] for j in range(1, count + 1)
-    )
-    blocks = "".join(sha1(b"%b:%d" % (key, k)).hexdigest() for k in range(1, (count + 2) // 3 + 1))
-    return tokens, blocks
+    return "".join(sha1(b"%b:%d" % (key, k)).hexdigest() for k in range(1, (count + 2) // 3 + 1))
+
+
+def take_tokens(seed: str, count: int) -> list[str]:
+    """The tokens of a take's `count` records, in the order drawn: consecutive 128-bit
+    slices of SHAKE-128(seed:tokens), as hex. One keystream per take; unpredictable
+    without the seed, which never leaves the worker and Redis, and unique as 128-bit
+    random strings are. A take re-sent after a crash derives the same ones."""
+    stream = shake_128(seed.encode() + b":tokens").hexdigest(TOKEN_HEX // 2 * count)
+    return [stream[start : start + TOKEN_HEX] for start in range(0, len(stream), TOKEN_HEX)]
+
+
+class Emission(list[tuple[str, bytes]]):
+    """Records to publish, (token, entry) in publication order: one take, or every take a
+    partition has in flight (`StreamBuffer.in_flight`). `takes` maps each take's id to
+    its entries; the acknowledgement forgets those takes whole and counts their records."""
+
+    def __init__(
+        self,
+        items: Iterable[tuple[str, bytes]] = (),
+        takes: Mapping[str, list[bytes]] | None = None,
+    ) -> None:
+        super().__init__(items)
+        self.takes = dict(takes or {})
+
+    @classmethod
+    def of_take(cls, take_id: str, entries: list[bytes]) -> Emission:
+        """One take's entries, in the order drawn, under the tokens its id derives."""
+        tokens = take_tokens(take_id, len(entries))
+        return cls(zip(tokens, entries, strict=True), {take_id: entries})
+
+
+def takes_in_flight(takes: Mapping[bytes, bytes]) -> Emission:
+    """The records of takes in flight as Redis holds them (':takes', take id → its entries,
+    emit.lua), under the tokens their takes derive, in the order drawn."""
+    emission = Emission()
+    for take_id, joined in takes.items():
+        take = Emission.of_take(take_id.decode(), joined.split(TAKE_SEPARATOR))
+        emission += take
+        emission.takes |= take.takes
+    return emission
+
+
+def acknowledgement(take_id: str, entries: list[bytes], now_ms: int) -> list:
+    """What acknowledge.lua adds for one take of `entries` published at `now_ms`: the take's
+    id, the numbers of its truth cells and delay fields, then (cell, records) pairs and
+    (field, count) pairs of the delay histogram (`DELAY_BOUNDS_MS`, "count", "sum_ms")."""
+    cells: Counter[bytes] = Counter()
+    arrivals: Counter[bytes] = Counter()
+    for cell, arrival in map(truth_and_arrival, entries):
+        cells[cell] += 1
+        arrivals[arrival] += 1
+    # Records stored by one ingest call share their arrival, so a take holds few distinct ones.
+    delays: Counter[str] = Counter(count=len(entries))
+    total_ms = 0
+    for arrival, count in arrivals.items():
+        delay = max(now_ms - int(arrival), 0)
+        bucket = bisect.bisect_left(DELAY_BOUNDS_MS, delay)
+        delays["+Inf" if bucket == len(DELAY_BOUNDS_MS) else str(DELAY_BOUNDS_MS[bucket])] += count
+        total_ms += delay * count
+    delays["sum_ms"] = total_ms
+    fields: list = [take_id, len(cells), len(delays)]
+    for counts in (cells, delays):
+        for field, count in counts.items():
+            fields += (field, count)
+    return fields
 
 
 @dataclass(frozen=True)
@@ -403,16 +463,15 @@ class StreamBuffer(BufferState):
         super().__init__(client, config)
         self._entropy = entropy
         # Records in each partition's pool when this worker last stored or took there: how
-        # many tokens a take will need (`take_tokens`).
+        # many shuffle blocks a take will need (`shuffle_blocks`).
         self._pooled: dict[int, int] = {}
         # Every step that writes a partition's buffer passes its owner fence (fence.lua).
         self._ingest = client.register_script(
-            lua_script("fence", "fingerprints", "uniforms", "ingest", *config.spec.stream_scripts)
+            lua_script(
+                "fence", "fingerprints", "uniforms", "pool", "ingest", *config.spec.stream_scripts
+            )
         )
-        bounds = f"local DELAY_BOUNDS = {_lua_list(DELAY_BOUNDS_MS)}\n"
-        self._take = client.register_script(
-            lua_script("fence") + bounds + lua_script("uniforms", "emit")
-        )
+        self._take = client.register_script(lua_script("fence", "uniforms", "emit"))
         self._acknowledge = client.register_script(lua_script("fence", "acknowledge"))
         self._claim = client.register_script(lua_script("claim"))
         # The generation of this worker's claim on each partition it wrote (claim.lua), and
@@ -550,7 +609,7 @@ class StreamBuffer(BufferState):
             template += b"|%d"
         return [template % row for row in zip(*columns, strict=True)]
 
-    async def take(self, partition: int, now_ms: int, limit: int) -> list[tuple[str, bytes]]:
+    async def take(self, partition: int, now_ms: int, limit: int) -> Emission:
         """Records due for publication by the mixing rule, each under a fresh random token:
         at most `limit` of the excess over the floor, or of the whole pool when it is quiet
         or closed; from the final pool (FINAL_POOL), the whole stream's remainder once every
@@ -562,30 +621,41 @@ class StreamBuffer(BufferState):
         waits_for = config.partitions if partition == FINAL_POOL else 0
         args = [
             now_ms, config.mixing_pool, int(config.flush_interval * 1000), limit, seed,
-            waits_for, config.min_mixing, config.small_remainder, *take_tokens(seed, expected),
+            waits_for, config.min_mixing, config.small_remainder, shuffle_blocks(seed, expected),
         ]  # fmt: skip
-        flight = await self._fenced(self._take, partition, args)
-        if not flight:
-            return []
+        left, joined = await self._fenced(self._take, partition, args)
+        self._pooled[partition] = int(left)
+        if not joined:
+            return Emission()
         await self.replication.confirm(self.prefix(partition))
-        self._pooled[partition] = max(self._pooled.get(partition, 0) - len(flight) // 2, 0)
-        return [
-            (token.decode(), entry) for token, entry in zip(flight[::2], flight[1::2], strict=True)
-        ]
+        return Emission.of_take(seed, joined.split(TAKE_SEPARATOR))
 
-    async def in_flight(self, partition: int) -> list[tuple[str, bytes]]:
+    async def in_flight(self, partition: int) -> Emission:
         """Emissions not yet acknowledged, to re-send with their tokens, in an order drawn
         from the OS (a hash's order is not random)."""
-        entries = list((await self.client.hgetall(f"{self.prefix(partition)}:inflight")).items())
-        if entries:
-            await self.replication.confirm(self.prefix(partition))
-        secrets.SystemRandom().shuffle(entries)
-        return [(token.decode(), entry) for token, entry in entries]
+        prefix = self.prefix(partition)
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.exists(f"{prefix}:inflight")
+            pipe.type(f"{prefix}:pool")
+            pipe.hgetall(f"{prefix}:takes")
+            legacy, pool_type, takes = await pipe.execute()
+        if legacy or pool_type == b"zset":
+            raise RuntimeError(
+                f"{prefix} holds a pool or records in flight of an earlier version: drain the "
+                "stream with that version before upgrading (docs/operations.md, Migrating "
+                "from earlier versions)"
+            )
+        emission = takes_in_flight(takes)
+        if emission:
+            await self.replication.confirm(prefix)
+        secrets.SystemRandom().shuffle(emission)
+        return emission
 
-    async def acknowledge(self, partition: int, tokens: list[str], now_ms: int) -> None:
-        """Forget emissions the broker acknowledged, counting them into the truth tally."""
-        if tokens:
-            joined = "".join(tokens)
-            if len(joined) != TOKEN_HEX * len(tokens):
-                raise ValueError(f"emission tokens are {TOKEN_HEX} hex digits each")
-            await self._fenced(self._acknowledge, partition, [now_ms, self._retention, joined])
+    async def acknowledge(self, partition: int, emission: Emission, now_ms: int) -> None:
+        """Forget the takes of an emission the broker acknowledged, counting their records
+        into the truth tally and their delays (to `now_ms`) into the delay histogram."""
+        if emission.takes:
+            args: list = [now_ms, self._retention]
+            for take_id, entries in emission.takes.items():
+                args += acknowledgement(take_id, entries, now_ms)
+            await self._fenced(self._acknowledge, partition, args)

@@ -51,7 +51,7 @@ class Lifecycle(BufferState):
         super().__init__(client, config)
         self._close = client.register_script(lua_script("close"))
         self._identity = client.register_script(lua_script("fingerprints", "identity"))
-        self._receive = client.register_script(lua_script("receive"))
+        self._receive = client.register_script(lua_script("pool", "receive"))
 
     async def gate(self, highest: Mapping[int, int]) -> dict[int, int | None]:
         """For each raw partition of a fetch and its highest offset there: the partition's
@@ -155,7 +155,7 @@ class Lifecycle(BufferState):
         prefix = self.prefix(partition)
         if await self.client.hget(f"{prefix}:close", "state") != HANDOFF.encode():
             return None
-        entries = await self.client.zrange(f"{prefix}:handoff", 0, -1)
+        entries = await self.client.hvals(f"{prefix}:handoff")
         chunks = [entries[i : i + HANDOFF_CHUNK] for i in range(0, len(entries), HANDOFF_CHUNK)]
         final = self.prefix(FINAL_POOL)
         for number, chunk in enumerate(chunks or [[]]):

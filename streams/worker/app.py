@@ -50,7 +50,7 @@ from service.core.ingest import PreparedBatch, Preparer, RawMessage, Rejected
 from service.core.prf import ServiceKey
 from service.core.schema import Rejection
 from service.store.auditor import Auditor, publishable
-from service.store.buffer import FINAL_POOL, BufferState, FencedError, StreamBuffer
+from service.store.buffer import FINAL_POOL, BufferState, Emission, FencedError, StreamBuffer
 from service.store.lifecycle import Lifecycle
 from streams.runtime.app import (
     TRANSIENT,
@@ -159,13 +159,13 @@ class Emitter:
         """Partitions newly given to this worker: their in-flight records go out first."""
         self.resend |= partitions - self.owned
 
-    async def publish(self, partition: int, items: list[tuple[str, bytes]], now: int) -> None:
+    async def publish(self, partition: int, items: Emission, now: int) -> None:
         await self.publisher.send_all(
             self.config.topics["published"],
             ((token.encode(), self.preparer.published_json(entry)) for token, entry in items),
             timestamp_ms=now,
         )
-        await self.buffer.acknowledge(partition, [token for token, _ in items], now)
+        await self.buffer.acknowledge(partition, items, now)
 
     async def round(
         self, partitions: set[int], now: int

@@ -1,20 +1,29 @@
--- Forget emissions the broker acknowledged; until then they stay in flight and a
--- restarted worker re-sends them with the same tokens.
+-- Forget takes the broker acknowledged (emit.lua, ':takes'); until then they stay in
+-- flight and a restarted worker re-sends them with the same tokens.
+--
+-- The worker holds the entries it took, so it totals what each take adds and sends the
+-- totals: its truth cells and its delay histogram. A take is counted once, when its
+-- entry is deleted here; acknowledging a take that is gone adds nothing, so a repeated
+-- acknowledgement (a re-send after a crash) never counts twice.
 --
 -- Each acknowledged record is counted, at this moment and not before, into the tally of
 -- the adversary test (service/store/auditor.py, in the worker), ':truth:<epoch>' (public
--- codes|published codes|true sensitive codes), so it describes exactly the records
--- published, however long a pause held others back. One cell holds both sides of a
--- record: the test's true and published cells are its sums (TrustedState.truth). An
--- epoch lasts the retention period; the current and the previous one are kept, older
--- ones dropped, and each expires by itself two periods after its last write, so exact
--- tallies never outlive their use even if no worker runs.
+-- codes|published codes|true sensitive codes, service/core/wire.py `truth_cell_of`), so it
+-- describes exactly the records published, however long a pause held others back. One
+-- cell holds both sides of a record: the test's true and published cells are its sums
+-- (TrustedState.truth). An epoch lasts the retention period; the current and the previous
+-- one are kept, older ones dropped, and each expires by itself two periods after its last
+-- write, so exact tallies never outlive their use even if no worker runs.
 --
--- KEYS[1] the partition's key prefix; ARGV now_ms, retention (ms), the tokens (32 hex
--- digits each) concatenated: one argument rather than one per record, for the client to
--- encode and Redis to read.
+-- Time from arrival to emission goes to the histogram ':delay' (operators see delays,
+-- never per record): bucket counts by upper bound (ms), 'count' and 'sum_ms'.
+--
+-- KEYS[1] the partition's key prefix; ARGV now_ms, retention (ms), then per take: its id
+-- (seed), the number of its truth cells c and of its delay fields d, then c (cell, records)
+-- pairs and d (field, count) pairs.
+-- Returns the records acknowledged.
 local base = KEYS[1]
-local k_inflight, k_stats = base .. ':inflight', base .. ':stats'
+local k_takes, k_stats, k_delay = base .. ':takes', base .. ':stats', base .. ':delay'
 local now, retention = tonumber(ARGV[1]), tonumber(ARGV[2])
 local epoch = math.floor(now / retention)
 local last = tonumber(redis.call('HGET', k_stats, 'truth_epoch') or epoch)
@@ -24,55 +33,47 @@ end
 redis.call('HSET', k_stats, 'truth_epoch', math.max(epoch, last))
 local k_truth = base .. ':truth:' .. epoch
 
--- Loops here run once per record: numeric for loops and counters, as ipairs costs a C
--- call per step in Redis's Lua and # a search of the table.
-local given, tokens = ARGV[3], {}
-local count = math.floor(#given / 32)
-for j = 1, count do tokens[j] = string.sub(given, 32 * j - 31, 32 * j) end
-
--- One call per take, however large: tokens go to Redis in slices, as Lua's unpack() stops
--- at a few thousand values.
-local entries = {}
-for start = 1, count, 1000 do
-  local stop = math.min(start + 999, count)
-  local found = redis.call('HMGET', k_inflight, unpack(tokens, start, stop))
-  for j = start, stop do entries[j] = found[j - start + 1] end
-end
-local removed, truth = 0, {}
-for j = 1, count do
-  local entry = entries[j]
-  if entry then
-    -- An entry starts "public|published|audit|true|" (service/core/wire.py).
-    local shown, true_values = string.match(entry, '^([^|]*|[^|]*)|[^|]*|([^|]*)|')
-    local cell = shown .. '|' .. true_values
-    truth[cell] = (truth[cell] or 0) + 1
-    removed = removed + 1
+local truth, delay = {}, {}
+local published = 0
+local a = 3
+while a <= #ARGV do
+  local cells, fields = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+  local first = a + 3
+  a = first + 2 * (cells + fields)
+  if redis.call('HDEL', k_takes, ARGV[first - 3]) == 1 then
+    for k = first, first + 2 * cells - 1, 2 do
+      local cell, n = ARGV[k], tonumber(ARGV[k + 1])
+      truth[cell] = (truth[cell] or 0) + n
+      published = published + n
+    end
+    for k = first + 2 * cells, a - 1, 2 do
+      delay[ARGV[k]] = (delay[ARGV[k]] or 0) + tonumber(ARGV[k + 1])
+    end
   end
 end
+
 -- Cells are many (all public attributes and the sensitive ones: one per two Adult records):
 -- one HMGET and one HSET per thousand cells cost Redis far less than an HINCRBY each.
 local function add_counts(key, counts)
-  local cells = {}
-  for cell in pairs(counts) do cells[#cells + 1] = cell end
-  for start = 1, #cells, 1000 do
-    local stop = math.min(start + 999, #cells)
-    local current = redis.call('HMGET', key, unpack(cells, start, stop))
+  local names = {}
+  for name in pairs(counts) do names[#names + 1] = name end
+  for start = 1, #names, 1000 do
+    local stop = math.min(start + 999, #names)
+    local current = redis.call('HMGET', key, unpack(names, start, stop))
     local fields = {}
     for j = start, stop do
-      local cell = cells[j]
-      fields[#fields + 1] = cell
-      fields[#fields + 1] = (tonumber(current[j - start + 1]) or 0) + counts[cell]
+      local name = names[j]
+      fields[#fields + 1] = name
+      fields[#fields + 1] = (tonumber(current[j - start + 1]) or 0) + counts[name]
     end
     redis.call('HSET', key, unpack(fields))
   end
 end
-add_counts(k_truth, truth)
-if removed > 0 then
-  for start = 1, count, 1000 do
-    redis.call('HDEL', k_inflight, unpack(tokens, start, math.min(start + 999, count)))
-  end
+if published > 0 then
+  add_counts(k_truth, truth)
   redis.call('PEXPIRE', k_truth, 2 * retention)
+  add_counts(k_delay, delay)
+  redis.call('HINCRBY', k_stats, 'published', published)
+  redis.call('HINCRBY', k_stats, 'in_flight', -published)
 end
-redis.call('HINCRBY', k_stats, 'published', removed)
-redis.call('HSET', k_stats, 'in_flight', redis.call('HLEN', k_inflight))
-return removed
+return published

@@ -64,7 +64,7 @@ end
 
 if step == 'handed' then
   if redis.call('HGET', k_close, 'state') ~= 'handoff' then return 0 end
-  local count = redis.call('ZCARD', base .. ':handoff')
+  local count = redis.call('HLEN', base .. ':handoff')
   redis.call('DEL', base .. ':handoff')
   redis.call('HSET', k_close, 'state', 'done')
   redis.call('HINCRBY', base .. ':stats', 'handed_off', count)

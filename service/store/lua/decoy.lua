@@ -24,10 +24,10 @@
 -- attribute}; :t arrival index of records still waiting for a group; :b:<a>:<v> bucket
 -- of attribute a, value v (members are ids, score 0, so ZPOPMIN takes the smallest
 -- random id); :n:<a> value -> bucket size; :grp:<number> a group that is not sealed yet
--- (below); :hole:<a>:<v> groups missing a member of value v of attribute a; :pool entry
--- -> time, an entry being "public|published|audit|true values|arrival|id" (audit: the
--- group's number and values per attribute; the emitter publishes only the first two
--- fields); :stats counters and gauges; :sup "<a>:<v>" -> suppressed.
+-- (below); :hole:<a>:<v> groups missing a member of value v of attribute a; :pool the
+-- mixing pool (pool.lua), an entry being "public|published|audit|true values|arrival|id"
+-- (audit: the group's number and values per attribute; the emitter publishes only the
+-- first two fields); :stats counters and gauges; :sup "<a>:<v>" -> suppressed.
 --
 -- Group integrity. A published count is Binomial(γf, 1/γ) only if every group that
 -- publishes any member publishes all γ of them. With several sensitive attributes a
@@ -49,7 +49,7 @@ local w, seed, ttl = tonumber(ARGV[4]), ARGV[5], tonumber(ARGV[6])
 local through, floor, retention = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
 local n = tonumber(ARGV[10])
 local k_rec, k_time = base .. ':rec', base .. ':t'
-local k_pool, k_stats, k_sup = base .. ':pool', base .. ':stats', base .. ':sup'
+local k_stats, k_sup = base .. ':stats', base .. ':sup'
 local k_open, k_holes = base .. ':open', base .. ':holes'
 
 local function split(text)
@@ -109,8 +109,7 @@ end
 -- service/core/wire.py owns.
 local function pool_entry(id, arrival, public, published, audit, values)
   pooled = pooled + 1
-  pool_entries[2 * pooled - 1] = now_text
-  pool_entries[2 * pooled] = public .. '|' .. published .. '|' .. audit .. '|' .. values .. '|'
+  pool_entries[pooled] = public .. '|' .. published .. '|' .. audit .. '|' .. values .. '|'
     .. arrival .. '|' .. id
   finished[id] = true
 end
@@ -585,9 +584,7 @@ end
 for start = 1, #unstored, 1000 do
   redis.call('HDEL', k_rec, unpack(unstored, start, math.min(start + 999, #unstored)))
 end
-for start = 1, #pool_entries, 2000 do
-  redis.call('ZADD', k_pool, unpack(pool_entries, start, math.min(start + 1999, #pool_entries)))
-end
+pool_add(base, pool_entries, now_text)
 
 if ttl > 0 then
   local buffered = {k_rec, k_time, k_open, k_holes}
@@ -614,4 +611,4 @@ redis.call('HINCRBY', k_stats, 'groups', groups)
 redis.call('HINCRBY', k_stats, 'pooled', pooled)
 redis.call('HINCRBY', k_stats, 'suppressed', suppressed)
 redis.call('HINCRBY', k_stats, 'refills', refills)
-return reply(base, k_stats, added, waiting, redis.call('ZCARD', k_pool), ttl)
+return reply(base, k_stats, added, waiting, redis.call('HLEN', base .. ':pool'), ttl)

@@ -1,4 +1,4 @@
--- Move records from a partition's mixing pool to its in-flight hash for publication.
+-- Move records from a partition's mixing pool to a take in flight, for publication.
 --
 -- The mixing rule (SPEC §3, docs/architecture.md): the pool never drops below its floor
 -- of `floor` records; each call releases only the excess over the floor, drawn uniformly
@@ -11,7 +11,13 @@
 -- The draws come from SHA-1 in counter mode over a 128-bit seed the caller takes fresh
 -- from the operating system for each call: three 48-bit uniforms per SHA-1 block, so no
 -- short internal state limits the orders a take can have, and nobody can search the seed
--- space to undo a shuffle. Redis's own PRNG (ZRANDMEMBER, math.random) is not used.
+-- space to undo a shuffle. Redis's own PRNG (HRANDFIELD, math.random) is not used.
+--
+-- A take is kept whole until the broker acknowledged it (acknowledge.lua): one field of
+-- ':takes', its seed -> its entries in the order drawn, one per line. The seed is the
+-- take's id and never leaves the worker and Redis; the worker derives the take's tokens
+-- from it (service/store/buffer.py, `take_tokens`), so a take re-sent after a crash goes
+-- out under the same tokens, and Redis keeps nothing per record in flight.
 --
 -- At a survey's end (SPEC §3) a partition's pool leaves whole if it holds at least the
 -- floor (state releasing, ingest.lua's finish_close); a smaller remainder joins the
@@ -27,32 +33,32 @@
 --          random seed (32 hex digits), partitions (0 for a partition's pool; for the final
 --          pool, the stream's partition count, whose remainders it waits for), minimum
 --          mixing (records), what a smaller final remainder gets ('publish' or 'suppress'),
---          and optionally the first tokens of the take (below), 32 hex digits each,
---          concatenated, and the first SHA-1 blocks of its shuffle (uniforms.lua).
--- Returns  token, entry, token, entry, ... in the order drawn.
+--          and optionally the first SHA-1 blocks of the take's shuffle (uniforms.lua),
+--          hashed by the worker.
+-- Returns  the records left in the pool, and the take's entries in the order drawn, one
+--          per line (empty if nothing was taken).
 
 local base = KEYS[1]
-local k_pool, k_inflight = base .. ':pool', base .. ':inflight'
-local k_delay, k_stats = base .. ':delay', base .. ':stats'
+local k_pool, k_takes, k_stats = base .. ':pool', base .. ':takes', base .. ':stats'
 local now, floor, quiet_ms = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local limit, seed = tonumber(ARGV[4]), ARGV[5]
 local partitions, min_mixing, small = tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8]
-local given, given_blocks = ARGV[9] or '', ARGV[10]
+local given_blocks = ARGV[9]
 assert(#seed >= 32, 'the shuffle needs a seed of at least 128 bits')
 
-local size = redis.call('ZCARD', k_pool)
+local size = redis.call('HLEN', k_pool)
 local count
 if partitions > 0 then
   -- The final pool: whole, once every partition's remainder is in.
-  if redis.call('SCARD', base .. ':from') < partitions or size == 0 then return {} end
+  if redis.call('SCARD', base .. ':from') < partitions or size == 0 then return {size, ''} end
   if not redis.call('HGET', k_stats, 'final_take') then
     redis.call('HSET', k_stats, 'final_take', size)
     if size < min_mixing and small == 'suppress' then
-      redis.call('DEL', k_pool)
+      redis.call('DEL', k_pool, base .. ':pooled')
       redis.call('HINCRBY', k_stats, 'suppressed', size)
       redis.call('HINCRBY', k_stats, 'suppressed_remainder', size)
       redis.call('HSET', k_stats, 'pool', 0)
-      return {}
+      return {0, ''}
     end
   end
   count = math.min(size, limit)
@@ -60,93 +66,78 @@ elseif redis.call('HGET', base .. ':close', 'state') == 'releasing' then
   -- A closed partition's pool of at least the floor: whole, in takes of at most `limit`.
   if size == 0 then
     redis.call('HSET', base .. ':close', 'state', 'handoff')
-    return {}
+    return {0, ''}
   end
   count = math.min(size, limit)
 else
   count = math.min(size - floor, limit)
   if count <= 0 and size > 0 and size >= floor then
-    local newest = redis.call('ZRANGE', k_pool, -1, -1, 'WITHSCORES')
-    if now - tonumber(newest[2]) >= quiet_ms then count = size end
+    local pooled = tonumber(redis.call('GET', base .. ':pooled') or 0)
+    if now - pooled >= quiet_ms then count = size end
   end
 end
-if count <= 0 then return {} end
+if count <= 0 then return {size, ''} end
+-- A seed is drawn fresh for each take: one seen before means the entropy is broken, and
+-- the take would overwrite one still in flight.
+if redis.call('HEXISTS', k_takes, seed) == 1 then
+  return redis.error_reply('a take seed was used before: the entropy source repeats')
+end
 
+-- A partial Fisher-Yates shuffle from the pool's end: for last = size down to
+-- size - count + 1, draw j uniformly from 1..last, take position j and move the record at
+-- `last` into it. The takes are a uniformly drawn, uniformly ordered sample, and the pool
+-- stays dense in 1..size - count. The draw is the textbook one over the positions read
+-- from the end (tests/test_grouping_leak.py writes it again). It runs on positions first:
+-- `from[p]`, the position whose record now sits at p (p itself if absent), so that every
+-- record the take touches is read in one HMGET and written in one HMSET.
 local uniform = sha1_uniforms(seed, 0, 12, given_blocks)
+local from, drawn = {}, {}
+for step = 1, count do
+  local last = size - step + 1
+  local j = last - math.floor(uniform() * last)
+  drawn[step] = from[j] or j
+  from[j] = from[last] or last
+end
+local left = size - count
+local moved_to, read = {}, {}
+for j in pairs(from) do
+  if j <= left then moved_to[#moved_to + 1] = j end
+end
+for step = 1, count do read[step] = drawn[step] end
+for k = 1, #moved_to do read[count + k] = from[moved_to[k]] end
 
--- A partial Fisher-Yates shuffle of the whole pool: its first `count` positions are a
--- uniformly drawn, uniformly ordered sample. A small take from a large pool (a backlog)
--- reads only the positions it touches, by rank, instead of the whole pool each time:
--- the same swaps on the same positions, so the same sample in the same order. A take
--- touches up to 2 × count positions, and one ZRANGE per position costs Redis about as
--- much as reading 7 members in one (docs/performance.md, *The mixing pool's take*).
-local members
-if 14 * count >= size then
-  members = redis.call('ZRANGE', k_pool, 0, -1)
+-- In chunks: Lua's unpack() stops at a few thousand values.
+local entry_at = {}
+for start = 1, #read, 1000 do
+  local stop = math.min(start + 999, #read)
+  local found = redis.call('HMGET', k_pool, unpack(read, start, stop))
+  for k = start, stop do entry_at[read[k]] = found[k - start + 1] end
+end
+local taken = {}
+for step = 1, count do taken[step] = entry_at[drawn[step]] end
+if left == 0 then
+  redis.call('DEL', k_pool, base .. ':pooled')
 else
-  members = setmetatable({}, {__index = function(read, position)
-    local member = redis.call('ZRANGE', k_pool, position - 1, position - 1)[1]
-    rawset(read, position, member)
-    return member
-  end})
-end
-for i = 1, count do
-  local j = i + math.floor(uniform() * (size - i + 1))
-  members[i], members[j] = members[j], members[i]
-end
-
--- Time from arrival to emission, as a histogram: operators see delays, never per record.
--- DELAY_BOUNDS (ms) is prepended at registration from service.store.buffer.DELAY_BOUNDS_MS.
--- Records stored by one ingest call share their arrival, so a take holds few distinct
--- ones: each is placed in its bucket once.
-local bucket_of = {}
-local function delay_bucket(arrival)
-  local delay = math.max(now - tonumber(arrival), 0)
-  local bucket = '+Inf'
-  for _, bound in ipairs(DELAY_BOUNDS) do
-    if delay <= bound then
-      bucket = bound
-      break
+  -- HMSET, with HSET's effect, so that a MONITOR feed tells a record moved within the
+  -- pool from one entering it (pool.lua), which tests/test_faults.py counts.
+  for start = 1, #moved_to, 1000 do
+    local fields = {}
+    for k = start, math.min(start + 999, #moved_to) do
+      local j = moved_to[k]
+      fields[#fields + 1] = j
+      fields[#fields + 1] = entry_at[from[j]]
     end
+    redis.call('HMSET', k_pool, unpack(fields))
   end
-  bucket_of[arrival] = {bucket, delay}
-  return bucket_of[arrival]
+  for start = left + 1, size, 1000 do
+    local positions = {}
+    for p = start, math.min(start + 999, size) do positions[p - start + 1] = p end
+    redis.call('HDEL', k_pool, unpack(positions))
+  end
 end
 
--- Token j is the first 128 bits of SHA-1(seed:t:j): unique and unpredictable per
--- record. The worker sends those of the records it expects (service/store/buffer.py computes
--- them alike), as hashing costs Redis more than its whole part of the take otherwise;
--- the rest are hashed here.
-local given_count = math.floor(#given / 32)
-local in_bucket, total_ms, flight = {}, 0, {}
-for j = 1, count do
-  local entry = members[j]
-  local token
-  if j <= given_count then
-    token = string.sub(given, 32 * j - 31, 32 * j)
-  else
-    token = string.sub(redis.sha1hex(seed .. ':t:' .. j), 1, 32)
-  end
-  flight[2 * j - 1], flight[2 * j] = token, entry
-  -- An entry ends "|arrival|id", the id 32 hex digits: the scan starts 64 characters
-  -- from the end rather than at every position of the entry.
-  local arrival = string.match(entry, '|(%d+)|[^|]*$', -64)
-  local placed = bucket_of[arrival] or delay_bucket(arrival)
-  in_bucket[placed[1]] = (in_bucket[placed[1]] or 0) + 1
-  total_ms = total_ms + placed[2]
-end
--- In chunks: Lua's unpack() stops at a few thousand values. The shuffle left the take in
--- the pool's first `count` positions.
-for start = 1, count, 4000 do
-  redis.call('ZREM', k_pool, unpack(members, start, math.min(start + 3999, count)))
-end
-for start = 1, count, 1000 do
-  redis.call('HSET', k_inflight, unpack(flight, 2 * start - 1, 2 * math.min(start + 999, count)))
-end
-for bucket, n in pairs(in_bucket) do
-  redis.call('HINCRBY', k_delay, bucket, n)
-end
-redis.call('HINCRBY', k_delay, 'count', count)
-redis.call('HINCRBY', k_delay, 'sum_ms', total_ms)
-redis.call('HSET', k_stats, 'pool', size - count, 'in_flight', redis.call('HLEN', k_inflight))
-return flight
+local take = table.concat(taken, '\n')
+redis.call('HSET', k_takes, seed, take)
+redis.call('HSET', k_stats, 'pool', left)
+redis.call('HINCRBY', k_stats, 'in_flight', count)
+return {left, take}

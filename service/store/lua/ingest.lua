@@ -142,12 +142,13 @@ end
 local function finish_close(base, floor, retention, keys)
   local k_pool, state = base .. ':pool', 'done'
   if floor >= 0 then
-    local size = redis.call('ZCARD', k_pool)
+    local size = redis.call('HLEN', k_pool)
     if size > 0 and size >= floor then
       state = 'releasing'
     else
       state = 'handoff'
       if size > 0 then redis.call('RENAME', k_pool, base .. ':handoff') end
+      redis.call('DEL', base .. ':pooled')
       redis.call('HSET', base .. ':stats', 'handoff', size)
     end
   end

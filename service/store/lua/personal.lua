@@ -44,9 +44,9 @@
 -- value v; :g:<group>:tv values with trials; :gstat "<group>|total", "<group>|trials",
 -- "<group>|c:<v>" (true counts), "<group>|borrowed" (borrowed copies) and
 -- "<group>|frozen" (1 once its bound failed): the aggregates the budget test reads
--- (service/store/auditor.py, in the worker); :pool entry -> time, an entry being
--- "public|published|t, c or b (trial, copy, borrowed copy)|true value|arrival|id", of
--- which the emitter publishes the first two fields; :stats counters and gauges, none of
+-- (service/store/auditor.py, in the worker); :pool the mixing pool (pool.lua), an entry
+-- being "public|published|t, c or b (trial, copy, borrowed copy)|true value|arrival|id",
+-- of which the emitter publishes the first two fields; :stats counters and gauges, none of
 -- them counting trials or copies: whether a record is a trial depends on its value.
 
 local base = KEYS[1]
@@ -57,7 +57,7 @@ local level, ttl = tonumber(ARGV[10]), tonumber(ARGV[11])
 local through, floor, retention = tonumber(ARGV[12]), tonumber(ARGV[13]), tonumber(ARGV[14])
 local n = tonumber(ARGV[15])
 local k_rec, k_queue, k_gstat = base .. ':rec', base .. ':gq', base .. ':gstat'
-local k_pool, k_stats = base .. ':pool', base .. ':stats'
+local k_stats = base .. ':stats'
 
 open_dedup(base, n, 15, through, true)
 local close_offset, finalized = close_state(base, 'grouped')
@@ -133,7 +133,7 @@ local function budget(group, trials)
   return math.floor(trial_limit(bound))
 end
 
-local released, pooled = 0, 0
+local released, pooled, pool_entries = 0, 0, {}
 local function release(group)
   local g = base .. ':g:' .. group
   local ids = redis.call('LRANGE', g .. ':buf', 0, -1)
@@ -176,11 +176,10 @@ local function release(group)
       out = redis.call('LINDEX', list, turn % redis.call('LLEN', list))
     end
     -- A pool entry (service/core/wire.py).
-    local entry = record[2] .. '|' .. out .. '|' .. kind .. '|' .. value .. '|' .. record[1]
-      .. '|' .. id
-    redis.call('ZADD', k_pool, now, entry)
-    redis.call('HDEL', k_rec, id)
     pooled = pooled + 1
+    pool_entries[pooled] = record[2] .. '|' .. out .. '|' .. kind .. '|' .. value .. '|'
+      .. record[1] .. '|' .. id
+    redis.call('HDEL', k_rec, id)
   end
   redis.call('HSET', k_gstat, group .. '|trials', trials)
   if borrowed > borrowed_before then
@@ -199,6 +198,7 @@ local final = finalizing(close_offset, finalized)
 for _, group in ipairs(redis.call('ZRANGEBYSCORE', k_queue, '-inf', final and '+inf' or now - max_wait)) do
   release(group)
 end
+pool_add(base, pool_entries, ARGV[1])
 if final then
   local state = {k_gstat}
   for _, field in ipairs(redis.call('HKEYS', k_gstat)) do
@@ -223,4 +223,4 @@ expire_with_ttl(ttl, buffered)
 
 redis.call('HINCRBY', k_stats, 'releases', released)
 redis.call('HINCRBY', k_stats, 'pooled', pooled)
-return reply(base, k_stats, added, redis.call('HLEN', k_rec), redis.call('ZCARD', k_pool), ttl)
+return reply(base, k_stats, added, redis.call('HLEN', k_rec), redis.call('HLEN', base .. ':pool'), ttl)

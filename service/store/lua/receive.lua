@@ -13,14 +13,9 @@ local base = KEYS[1]
 local chunk = ARGV[2] .. ':' .. ARGV[3]
 if redis.call('SADD', base .. ':chunks', chunk) == 0 then return 0 end
 local entries = {}
-for j = 5, #ARGV do
-  entries[#entries + 1] = ARGV[1]
-  entries[#entries + 1] = ARGV[j]
-end
-for start = 1, #entries, 2000 do
-  redis.call('ZADD', base .. ':pool', unpack(entries, start, math.min(start + 1999, #entries)))
-end
+for j = 5, #ARGV do entries[j - 4] = ARGV[j] end
+local size = pool_add(base, entries, ARGV[1])
 if ARGV[4] == '1' then redis.call('SADD', base .. ':from', ARGV[2]) end
 redis.call('HINCRBY', base .. ':stats', 'received', #ARGV - 4)
-redis.call('HSET', base .. ':stats', 'pool', redis.call('ZCARD', base .. ':pool'))
+redis.call('HSET', base .. ':stats', 'pool', size)
 return 1
