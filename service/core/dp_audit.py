@@ -23,7 +23,6 @@ import itertools
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import integrate
 
 from service.core.table import Table, distinct_rows
 
@@ -41,6 +40,8 @@ def _laplace_pdf(x: float, location: float, scale: float) -> float:
 
 
 def _ratio_cdf_by_integration(z: float, theta: float, phi: float, b: float) -> float:
+    from scipy import integrate
+
     breaks = sorted({phi, theta / z} if z else {phi})
 
     def below(x: float) -> float:

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 import numpy as np
-from scipy import stats
 
 
 def as_fraction(value: float | str | Fraction, name: str = "epsilon") -> Fraction:
@@ -74,6 +73,8 @@ def deviation_probability(
     highest_inside = f + half_width
     n = gamma * f
     p = 1.0 / gamma
+    from scipy import stats
+
     below = np.where(lowest_inside > 0, stats.binom.cdf(lowest_inside - 1, n, p), 0.0)
     above = stats.binom.sf(highest_inside, n, p)
     return below + above

@@ -27,7 +27,6 @@ from pathlib import Path
 
 import numpy as np
 import tomli_w
-from scipy import stats
 
 from service.core.schema import Attribute, SchemaError, read_toml
 from service.core.table import Table
@@ -130,6 +129,8 @@ def merged_classes(
 ) -> list[tuple[str, ...]]:
     """Connected components of "the χ² test cannot tell these two values apart"."""
     statistic, degrees = chi_square_statistics(counts)
+    from scipy import stats
+
     critical = np.where(degrees > 0, stats.chi2.isf(alpha, np.maximum(degrees, 1)), -np.inf)
     similar = statistic <= critical
     parent = list(range(len(values)))

@@ -64,7 +64,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import brentq
 
 from service.core.mechanisms.decoy import GROUPINGS, _largest_first_cuts
 
@@ -157,6 +156,8 @@ def partner_weights(counts: np.ndarray, gamma: int) -> np.ndarray:
     ceiling = floor * 2.0
     while (excess(ceiling, large_root) > 0) != large_root:
         ceiling *= 2.0
+    from scipy.optimize import brentq
+
     total = brentq(excess, floor, ceiling, args=(large_root,), xtol=1e-13 * floor, rtol=1e-14)
     return weights(total, large_root)
 

@@ -42,7 +42,6 @@ from dataclasses import asdict, dataclass
 from fractions import Fraction
 
 import numpy as np
-from scipy import stats
 
 from service.core.config import StreamConfig
 from service.core.dp_audit import audit_disclosures
@@ -242,6 +241,8 @@ def adversary(
     naive = within(np.array([a.published for a in answers], dtype=np.float64))
     k_small = max(int((model & small).sum()), int((naive & small).sum()))
     # Bonferroni over the two estimators.
+    from scipy import stats
+
     p_value = min(2 * float(stats.binom.sf(k_small - 1, n_small, bound)), 1.0) if n_small else 1.0
     k_large = int((model & large).sum())
     numbers = {

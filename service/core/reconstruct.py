@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
-from scipy import stats
 
 from service.core.table import Table, distinct_rows
 
@@ -186,6 +185,8 @@ class Reconstruction:
         self.public = [c for c in cells.columns if c not in self.sensitive]
         self.confidence = confidence
         self.clip = clip
+        from scipy import stats
+
         self._z = float(stats.norm.ppf(0.5 + confidence / 2))
 
     def check(self, query: Query) -> None:

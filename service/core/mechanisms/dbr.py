@@ -26,7 +26,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from scipy import stats
 
 from service.core.prf import ServiceKey, prf64
 from service.core.reconstruct import Estimate, PublishedCells, Query, Reconstruction
@@ -86,6 +85,8 @@ class DBRReconstruction(Reconstruction):
         super().__init__(cells, sensitive, confidence, clip=False)
 
     def _solve(self, queries: Sequence[Query], columns: list[str]) -> list[Estimate]:
+        from scipy import stats
+
         y = self._states(queries, columns)
         published = y[:, -1]
         rows = y[:, y.shape[1] // 2 :].sum(axis=1)

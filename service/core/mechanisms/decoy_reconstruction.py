@@ -63,7 +63,6 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
-from scipy import stats
 
 from service.core.mechanisms.decoy import GROUPINGS
 from service.core.mixing import Mixing, transition_model
@@ -282,6 +281,8 @@ class DecoyReconstruction(Reconstruction):
 
     def _sensitive_only_interval(self, published: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Exact interval for f from f′ ~ Bin(γf, 1/γ): the f not rejected at either tail."""
+        from scipy import stats
+
         g, tail = self.gamma, (1 - self.confidence) / 2
         low, high = np.empty(len(published)), np.empty(len(published))
         for q, observed in enumerate(published):

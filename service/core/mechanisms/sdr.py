@@ -79,8 +79,6 @@ from fractions import Fraction
 from typing import TypeVar
 
 import numpy as np
-from scipy.sparse import csr_matrix
-from scipy.sparse.csgraph import reverse_cuthill_mckee
 
 from service.core.guarantees import as_fraction
 from service.core.mechanisms.personal import UniformPerturbation
@@ -207,6 +205,9 @@ def rearrangements(groups: np.ndarray) -> list[np.ndarray]:
     `_START_CANDIDATES`), neighbours by degree then index. Orders equal up to
     reversal admit the same segmentations and are listed once.
     """
+    from scipy.sparse import csr_matrix
+    from scipy.sparse.csgraph import reverse_cuthill_mckee
+
     pattern = (np.asarray(groups) > 0).astype(np.int64)
     adjacent = pattern @ pattern.T > 0
     np.fill_diagonal(adjacent, False)
