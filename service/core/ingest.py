@@ -26,10 +26,11 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import attrgetter
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import msgspec
 import numpy as np
@@ -53,6 +54,9 @@ KNOWN_BIN_VALUES = 10_000
 # Public and sensitive code texts of pool entries remembered with their part of the
 # published JSON, each: every combination of public values of the Adult sample fits.
 KNOWN_ENTRY_TEXTS = 1 << 14
+# Validated records remembered with their content digest: the Adult sample's combinations
+# of values fit, in a few MB.
+KNOWN_CONTENT_DIGESTS = 1 << 16
 
 
 class _DuplicateKeyError(ValueError):
@@ -67,9 +71,22 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
     return record
 
 
+class Message(Protocol):
+    """A raw record as consumed: what the worker reads of it. aiokafka's ConsumerRecord is
+    one, so the worker prepares the records of a fetch as they come, without a copy each."""
+
+    @property
+    def partition(self) -> int: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def key(self) -> bytes | None: ...
+    @property
+    def value(self) -> bytes | None: ...
+
+
 class RawMessage(NamedTuple):
-    """A raw record as consumed. A named tuple: the worker makes one per record, and a
-    tuple is the cheapest immutable record to build (docs/performance.md, *The worker*)."""
+    """A raw record built by hand (tests, benchmarks, the rejected topic's tools)."""
 
     partition: int
     offset: int
@@ -77,9 +94,13 @@ class RawMessage(NamedTuple):
     value: bytes | None
 
 
+partition_of, offset_of = attrgetter("partition"), attrgetter("offset")
+key_of, value_of = attrgetter("key"), attrgetter("value")
+
+
 @dataclass(frozen=True)
 class Rejected:
-    message: RawMessage
+    message: Message
     rejection: Rejection
 
     def payload(self) -> bytes:
@@ -102,7 +123,7 @@ class PreparedBatch:
     """Accepted records of one partition, in arrival order, ready for the Redis buffer."""
 
     partition: int
-    messages: list[RawMessage] = field(default_factory=list)
+    messages: list[Message] = field(default_factory=list)
     dedup_keys: list[bytes] = field(default_factory=list)
     fingerprints: list[bytes] = field(default_factory=list)
     ids: np.ndarray = field(default_factory=lambda: np.empty((0, 2), np.uint64))
@@ -149,7 +170,7 @@ class AcceptedRows:
     """The accepted records of one partition, in arrival order: their messages and codes in
     schema order, one row each."""
 
-    messages: list[RawMessage]
+    messages: list[Message]
     codes: np.ndarray
 
 
@@ -167,6 +188,7 @@ class Preparer:
             digest_size=8, key=key.subkey("dedup fingerprints")
         )
         self._digest_state = hashlib.blake2b(digest_size=4, key=key.subkey("dedup digests"))
+        self._known_digests: dict[bytes, bytes] = {}
         self._public = [i for i, a in enumerate(attributes) if not a.sensitive]
         self._sensitive = [i for i, a in enumerate(attributes) if a.sensitive]
         # Decimal texts of codes (public codes, personal group keys), grown as needed.
@@ -211,7 +233,7 @@ class Preparer:
                 settings.retention, self.schema.sensitive[0].size
             )
 
-    def prepare(self, messages: list[RawMessage]) -> tuple[list[PreparedBatch], list[Rejected]]:
+    def prepare(self, messages: Sequence[Message]) -> tuple[list[PreparedBatch], list[Rejected]]:
         """Split messages into per-partition batches of accepted records and rejections.
 
         Most records take a fast path, checked over the whole batch: one msgspec parse
@@ -219,15 +241,16 @@ class Preparer:
         cannot vouch for goes through `_validate`, the exact reference, so the outcome and
         the reason of a rejection are the same either way.
         """
-        rejected = [
-            Rejected(m, Rejection(f"{m.partition}/{m.offset}", None, NO_KEY))
-            for m in messages
-            if not m.key
-        ]
-        if rejected:
+        rejected = []
+        if not all(map(key_of, messages)):
+            rejected = [
+                Rejected(m, Rejection(f"{m.partition}/{m.offset}", None, NO_KEY))
+                for m in messages
+                if not m.key
+            ]
             messages = [m for m in messages if m.key]
         n = len(messages)
-        positions, fast = self._fast_rows([m.value for m in messages])
+        positions, fast = self._fast_rows(list(map(value_of, messages)))
         codes = np.empty((n, len(self.schema.attributes)), np.int64)
         codes[positions] = fast
         accepted = np.zeros(n, bool)
@@ -241,13 +264,13 @@ class Preparer:
             else:
                 accepted[position] = True
         kept = np.flatnonzero(accepted)
-        partitions = np.fromiter((messages[i].partition for i in kept.tolist()), np.int64)
+        partitions = np.fromiter(map(partition_of, messages), np.int64, n)[kept]
         # Stable: each partition's records stay in arrival order.
         order = np.argsort(partitions, kind="stable")
         ends = np.flatnonzero(np.diff(partitions[order])) + 1
         batches = []
         for rows in np.split(kept[order], ends) if len(kept) else ():
-            batch_messages = [messages[i] for i in rows.tolist()]
+            batch_messages = list(map(messages.__getitem__, rows.tolist()))
             batches.append(
                 self._batch(batch_messages[0].partition, AcceptedRows(batch_messages, codes[rows]))
             )
@@ -329,7 +352,7 @@ class Preparer:
                 texts.append(value)
         return positions, records, texts
 
-    def _validate(self, message: RawMessage) -> list[int]:
+    def _validate(self, message: Message) -> list[int]:
         where = f"{message.partition}/{message.offset}"
 
         def reject(reason: str) -> RecordError:
@@ -357,25 +380,19 @@ class Preparer:
             ) from None
         return self.schema.encode_record(record, where)
 
-    def identify(
-        self, partition: int, messages: list[RawMessage], codes: np.ndarray
-    ) -> PreparedBatch:
+    def identify(self, partition: int, messages: list[Message], codes: np.ndarray) -> PreparedBatch:
         """A batch of validated records (`codes` in schema order) with their dedup keys, ids
         and fingerprints, and no randomization inputs yet."""
-        dedup_keys = [b"k:" + m.key for m in messages]
-        # The content digest is of the validated record, so a resend formatted differently
-        # is still the same; keyed, because it stays in Redis after publication and an
-        # unkeyed hash of a few thousand possible records would give the record back.
-        rows = np.ascontiguousarray(codes)
-        contents = rows.view(np.dtype((np.void, rows.itemsize * rows.shape[1]))).ravel()
-        named_copy, digest_copy = self._fingerprint_state.copy, self._digest_state.copy
-        fingerprints = []
-        for dedup, content in zip(dedup_keys, contents.tolist(), strict=True):
+        dedup_keys = list(map(b"k:".__add__, map(key_of, messages)))
+        named_copy = self._fingerprint_state.copy
+        named_digests = []
+        for dedup in dedup_keys:
             named = named_copy()
             named.update(dedup)
-            digest = digest_copy()
-            digest.update(content)
-            fingerprints.append(named.digest() + digest.digest())
+            named_digests.append(named.digest())
+        rows = np.ascontiguousarray(codes)
+        contents = rows.view(np.dtype((np.void, rows.itemsize * rows.shape[1]))).ravel()
+        fingerprints = list(map(bytes.__add__, named_digests, self._content_digests(contents)))
         return PreparedBatch(
             partition=partition,
             messages=messages,
@@ -385,6 +402,27 @@ class Preparer:
             public=self._joined(rows[:, self._public], b","),
             sensitive=codes[:, self._sensitive],
         )
+
+    def _content_digests(self, contents: np.ndarray) -> list[bytes]:
+        """The keyed digest of each validated record (its codes' bytes), remembered for the
+        records seen before: a stream's records repeat a few thousand combinations of values.
+
+        The digest is of the validated record, so a resend formatted differently is still
+        the same; keyed, because it stays in Redis after publication and an unkeyed hash
+        of a few thousand possible records would give the record back.
+        """
+        texts = contents.tolist()
+        known = self._known_digests
+        digests = list(map(known.get, texts))
+        if None in digests:
+            digest_copy = self._digest_state.copy
+            for j in [j for j, digest in enumerate(digests) if digest is None]:
+                digest = digest_copy()
+                digest.update(texts[j])
+                digests[j] = digest.digest()
+                if len(known) < KNOWN_CONTENT_DIGESTS:
+                    known[texts[j]] = digests[j]
+        return digests
 
     def _joined(self, codes: np.ndarray, separator: bytes) -> list[bytes]:
         """Each row of (non-negative) codes as decimal texts joined by `separator`."""

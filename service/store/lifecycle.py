@@ -34,7 +34,7 @@ import redis.asyncio as aioredis
 
 from service.core.config import StreamConfig
 from service.core.guarantees import mate_probability
-from service.core.ingest import PreparedBatch
+from service.core.ingest import PreparedBatch, offset_of
 from service.store.buffer import FINAL_POOL, BufferState, lua_script
 
 # Pool entries per call when a remainder moves to the final pool: a call's arguments stay
@@ -73,7 +73,7 @@ class Lifecycle(BufferState):
         for b, batch in enumerate(batches):
             n = len(batch)
             fingerprints = np.frombuffer(b"".join(batch.fingerprints), np.uint8).reshape(n, 12)
-            read = np.fromiter((m.offset for m in batch.messages), np.int64, n)
+            read = np.fromiter(map(offset_of, batch.messages), np.int64, n)
             where = (read | (batch.partition << 48)).astype(">u8").view(np.uint8).reshape(n, 8)
             records.append(np.hstack([fingerprints, where]))
             partitions.append(np.full(n, batch.partition))

@@ -35,18 +35,27 @@ import asyncio
 import json
 import logging
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from itertools import chain
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import faust
+import numpy as np
 from aiokafka.structs import ConsumerRecord
 from faust.types import TP
 from faust.web import Request, Response, View
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from service.core.config import StreamConfig
-from service.core.ingest import PreparedBatch, Preparer, RawMessage, Rejected
+from service.core.ingest import (
+    Message,
+    PreparedBatch,
+    Preparer,
+    Rejected,
+    offset_of,
+    partition_of,
+)
 from service.core.prf import ServiceKey
 from service.core.schema import Rejection
 from service.store.auditor import Auditor, publishable
@@ -270,12 +279,12 @@ class Intake:
         self.lifecycle, self.publisher = lifecycle, publisher
         self.forward = forward
 
-    def prepare(self, messages: list[RawMessage]) -> RawFetch:
+    def prepare(self, messages: Sequence[Message]) -> RawFetch:
         """Validate a fetch of raw messages (CPU only: the worker prepares the next fetch
         while the last one is being stored)."""
-        highest: dict[int, int] = {}
-        for m in messages:
-            highest[m.partition] = max(highest.get(m.partition, -1), m.offset)
+        partitions = np.fromiter(map(partition_of, messages), np.int64, len(messages))
+        offsets = np.fromiter(map(offset_of, messages), np.int64, len(messages))
+        highest = {p: int(offsets[partitions == p].max()) for p in np.unique(partitions).tolist()}
         batches, rejected = self.preparer.prepare(messages)
         return RawFetch(batches, rejected, highest)
 
@@ -404,7 +413,7 @@ class Intake:
             log.warning("rejected %s%s: %s", where, field, r.rejection.reason)
 
 
-def refused(message: RawMessage, reason: str) -> Rejected:
+def refused(message: Message, reason: str) -> Rejected:
     return Rejected(message, Rejection(f"{message.partition}/{message.offset}", None, reason))
 
 
@@ -455,13 +464,10 @@ def add_ingest(
         admitted: asyncio.Future[bool],
         stored: asyncio.Future[bool],
     ) -> None:
-        messages = [
-            RawMessage(m.partition, m.offset, m.key, m.value)
-            for tp, records in fetched.items()
-            if tp.topic == raw_name
-            for m in records
-        ]
-        fetch = intake.prepare(messages)
+        # The consumer's records themselves, read as `Message`s: no copy of each.
+        fetch = intake.prepare(
+            list(chain.from_iterable(r for tp, r in fetched.items() if tp.topic == raw_name))
+        )
         await after(previous and previous[0])
         fetch = await intake.admit(fetch)
         admitted.set_result(True)
