@@ -52,6 +52,7 @@ from service.core.guarantees import budget_level, trial_limit
 from service.core.ingest import PreparedBatch
 from service.core.prf import ServiceKey
 from service.core.wire import truth_and_arrival
+from service.store.packing import packing_with_hiredis
 
 # Upper bounds of the delay histogram in ms (`StreamBuffer.acknowledge` counts with these).
 # Slow streams wait for the mixing pool's floor to fill, so the bounds reach a day.
@@ -124,8 +125,9 @@ def connect(config: StreamConfig) -> aioredis.Redis:
     cluster client (`[redis] cluster`, REDIS_CLUSTER) routes each command and script by its
     keys, all in one slot per call (the hash tags above)."""
     if config.redis_cluster:
-        return aioredis.RedisCluster.from_url(config.redis_url, **config.redis_options())  # type: ignore[return-value]
-    return aioredis.from_url(config.redis_url, **config.redis_options())
+        cluster = aioredis.RedisCluster.from_url(config.redis_url, **config.redis_options())
+        return packing_with_hiredis(cluster)  # type: ignore[return-value]
+    return packing_with_hiredis(aioredis.from_url(config.redis_url, **config.redis_options()))
 
 
 def node_url(url: str, host: str, port: int) -> str:
@@ -171,7 +173,8 @@ class Replication:
             name, url = node.name, node_url(self.config.redis_url, node.host, node.port)
         link = self._links.get(name)
         if link is None:
-            link = self._links[name] = aioredis.from_url(url, **self.config.redis_options())
+            link = packing_with_hiredis(aioredis.from_url(url, **self.config.redis_options()))
+            self._links[name] = link
         return link
 
     async def confirm(self, key: str) -> None:
