@@ -1,8 +1,8 @@
 """Commands packed by hiredis's C encoder in redis-py's asyncio clients.
 
 redis-py's synchronous connections pack a command with `hiredis.pack_command` when hiredis
-is installed; its asyncio connections always pack in Python, about a microsecond per
-argument, and a buffer step carries an argument per record. `packing_with_hiredis` gives
+is installed; its asyncio connections always pack in Python, which costs per argument,
+and a buffer step carries an argument per record. `packing_with_hiredis` gives
 a client connection classes that pack with hiredis, which writes the same bytes and
 refuses what redis-py's own packer refuses (a bool, None) with the same `DataError`.
 """
@@ -46,11 +46,10 @@ def hiredis_packing(connection_class: type) -> type:
 def packing_with_hiredis(client: Client) -> Client:
     """`client`, whose connections, opened from now on, pack with hiredis. A cluster
     client opens its connections through the nodes it knows and the keyword arguments it
-    gives the nodes it discovers."""
+    gives the nodes it discovers (one dict, shared with its nodes manager)."""
     if isinstance(client, aioredis.RedisCluster):
-        manager = client.nodes_manager
-        for options in (client.connection_kwargs, manager.connection_kwargs):
-            options["connection_class"] = hiredis_packing(options["connection_class"])
+        options, manager = client.connection_kwargs, client.nodes_manager
+        options["connection_class"] = hiredis_packing(options["connection_class"])
         for node in (*manager.startup_nodes.values(), *manager.nodes_cache.values()):
             node.connection_class = hiredis_packing(node.connection_class)
     else:
