@@ -127,7 +127,12 @@ def connect(config: StreamConfig) -> aioredis.Redis:
     if config.redis_cluster:
         cluster = aioredis.RedisCluster.from_url(config.redis_url, **config.redis_options())
         return packing_with_hiredis(cluster)  # type: ignore[return-value]
-    return packing_with_hiredis(aioredis.from_url(config.redis_url, **config.redis_options()))
+    return node_client(config, config.redis_url)
+
+
+def node_client(config: StreamConfig, url: str) -> aioredis.Redis:
+    """A client of the one Redis node at `url`, with the stream's credentials and TLS."""
+    return packing_with_hiredis(aioredis.from_url(url, **config.redis_options()))
 
 
 def node_url(url: str, host: str, port: int) -> str:
@@ -173,8 +178,7 @@ class Replication:
             name, url = node.name, node_url(self.config.redis_url, node.host, node.port)
         link = self._links.get(name)
         if link is None:
-            link = packing_with_hiredis(aioredis.from_url(url, **self.config.redis_options()))
-            self._links[name] = link
+            link = self._links[name] = node_client(self.config, url)
         return link
 
     async def confirm(self, key: str) -> None:

@@ -1,8 +1,8 @@
 """Commands packed by hiredis's C encoder in redis-py's asyncio clients.
 
 redis-py's synchronous connections pack a command with `hiredis.pack_command` when hiredis
-is installed; its asyncio connections always pack in Python, which costs per argument,
-and a buffer step carries an argument per record. `packing_with_hiredis` gives
+is installed; its asyncio connections always pack in Python, argument by argument, and
+a buffer step carries an argument per record. `packing_with_hiredis` gives
 a client connection classes that pack with hiredis, which writes the same bytes and
 refuses what redis-py's own packer refuses (a bool, None) with the same `DataError`.
 """
