@@ -44,10 +44,12 @@ from importlib import resources
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+import msgspec
 import redis.asyncio as aioredis
 from redis import exceptions as redis_errors
 
 from service.core.config import StreamConfig
+from service.core.decoy_cuts import Arrivals, DecoyPartition, DecoyStep, Waiting
 from service.core.guarantees import budget_level, trial_limit
 from service.core.ingest import PreparedBatch
 from service.core.prf import ServiceKey
@@ -481,6 +483,15 @@ class StreamBuffer(BufferState):
         self._take = client.register_script(lua_script("fence", "uniforms", "emit"))
         self._acknowledge = client.register_script(lua_script("fence", "acknowledge"))
         self._claim = client.register_script(lua_script("claim"))
+        # With one sensitive attribute the worker decides each decoy step from the
+        # partition's state it holds, and Redis checks and stores it (decoy_store.lua);
+        # decoy.lua stays the step for several attributes, a partition's close, and a step
+        # whose assumptions Redis refuses.
+        self._decides = config.decoy is not None and len(config.sensitive) == 1
+        self._decoy_store = client.register_script(lua_script("fence", "pool", "decoy_store"))
+        self._decoy: dict[int, DecoyPartition] = {}
+        self._closing: set[int] = set()
+        self._stepping: dict[int, asyncio.Lock] = {}
         # The generation of this worker's claim on each partition it wrote (claim.lua), and
         # the partitions a rebalance assigned since, whose claim is checked again first.
         self._claims: dict[int, int] = {}
@@ -510,8 +521,11 @@ class StreamBuffer(BufferState):
         async with self._claiming.setdefault(partition, asyncio.Lock()):
             held = self._claims.get(partition)
             if held is None or partition in self._reclaim:
-                claimed = await self._claim(keys=[self.prefix(partition)], args=[held or ""])
-                held = self._claims[partition] = int(claimed)
+                claimed = int(await self._claim(keys=[self.prefix(partition)], args=[held or ""]))
+                if claimed != held:
+                    # Another worker may have written the partition: its state is reloaded.
+                    self._decoy.pop(partition, None)
+                held = self._claims[partition] = claimed
                 self._reclaim.discard(partition)
             return held
 
@@ -535,10 +549,97 @@ class StreamBuffer(BufferState):
         """Store a batch (or nothing: a timer tick) and do every cut or release now due;
         `through`: the highest raw offset of the partition the worker handled with it,
         stored or rejected (a close waits for every offset below its own)."""
-        if batch is None:
-            return await self._store(partition, None, now_ms, through)
-        offsets = [m.offset for m in batch.messages]
-        return await self._store(partition, self._records(batch, offsets), now_ms, through)
+        offsets = [] if batch is None else [m.offset for m in batch.messages]
+        if self._decides and partition not in self._closing:
+            async with self._stepping.setdefault(partition, asyncio.Lock()):
+                outcome = await self._decide(partition, batch, offsets, now_ms, through)
+            if outcome is not None:
+                return outcome
+        records = None if batch is None else self._records(batch, offsets)
+        return await self._store(partition, records, now_ms, through)
+
+    async def _decide(
+        self,
+        partition: int,
+        batch: PreparedBatch | None,
+        offsets: list[int],
+        now_ms: int,
+        through: int,
+    ) -> IngestOutcome | None:
+        """The decoy step decided here (`service.core.decoy_cuts`), stored by
+        decoy_store.lua; None if Redis refused it unwritten (a close under way, or a
+        partition not as this worker holds it), for decoy.lua to do on Redis's state."""
+        await self._generation(partition)  # a new claim drops the state held
+        state = self._decoy.pop(partition, None) or await self._load_decoy(partition)
+        if state is None:
+            return None
+        arrivals = None
+        if batch is not None:
+            columns = (batch.sensitive[:, 0].tolist(), batch.draws[:, 0].tolist(), offsets)
+            arrivals = Arrivals(batch.id_bytes(), batch.public, *columns)
+        config = self.config
+        step = state.step(
+            arrivals,
+            now_ms,
+            through,
+            int(config.max_wait * 1000),
+            config.decoy.gamma,  # type: ignore[union-attr]
+            f"{self._seed_key}:{partition}",
+        )
+        result = await self._fenced(
+            self._decoy_store, partition, self._decoy_store_args(step, now_ms)
+        )
+        if result == b"CLOSING":
+            self._closing.add(partition)
+        if isinstance(result, bytes):
+            return None
+        self._decoy[partition] = state
+        if batch is not None or through >= 0:
+            await self.replication.confirm(self.prefix(partition))
+        statuses = [0] * len(offsets)
+        for position, status in step.statuses.items():
+            statuses[position - 1] = status
+        self._pooled[partition] = int(result)
+        return IngestOutcome(statuses, step.waiting, int(result))
+
+    def _decoy_store_args(self, step: DecoyStep, now_ms: int) -> list:
+        """decoy_store.lua's arguments for `step`."""
+        decided = [step.watermark, step.draws, step.added, step.redelivered, step.replayed]
+        decided += [step.groups, sum(step.suppressed.values())]
+        lengths = [len(step.pool_entries), len(step.new_waiting), len(step.left)]
+        lengths += [len(step.suppressed), len(step.sizes)]
+        args: list = [now_ms, self._ttl, *step.assumed, *decided, *lengths, *step.pool_entries]
+        for record_id, record in step.new_waiting:
+            # As decoy.lua keeps a record waiting on its one attribute (cmsgpack).
+            packed = [record.arrival, record.public.decode(), [str(record.value)]]
+            packed += [[record.draw], [], 1, [], []]
+            args += (record_id, msgspec.msgpack.encode(packed), record.value)
+        for left in step.left:
+            args += left
+        for counts in (step.suppressed, step.sizes):
+            for value, count in counts.items():
+                args += (value, count)
+        return args
+
+    async def _load_decoy(self, partition: int) -> DecoyPartition | None:
+        """A partition's decoy state as Redis holds it; None once its close is under way."""
+        prefix = self.prefix(partition)
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.hmget(f"{prefix}:close", "raw", "state")
+            pipe.get(f"{prefix}:off")
+            pipe.hmget(f"{prefix}:stats", "draws", "groups")
+            pipe.hgetall(f"{prefix}:rec")
+            close, watermark, (draws, groups), records = await pipe.execute()
+        if any(close):
+            self._closing.add(partition)
+            return None
+        waiting = {}
+        for record_id, packed in records.items():
+            arrival, public, values, draws_of = msgspec.msgpack.decode(packed)[:4]
+            waiting[record_id] = Waiting(
+                int(arrival), public.encode(), int(values[0]), int(draws_of[0])
+            )
+        return DecoyPartition(int(watermark or -1), int(draws or 0), int(groups or 0), waiting)
 
     def grouped_messages(self, batch: PreparedBatch) -> list[tuple[bytes, bytes]]:
         """A personal stream's first hop: each record of a raw batch as a message of

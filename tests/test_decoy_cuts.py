@@ -1,0 +1,175 @@
+"""The worker's decoy steps (`service.core.decoy_cuts`, stored by decoy_store.lua) leave
+Redis exactly as decoy.lua's steps do, call for call, from the same records and clock: the
+same pool entries in the same order (groups, published values, audits), the same waiting
+records, buckets, arrival index, suppressions, counters and watermark. Driven in the
+regimes users live in: a burst, a slow survey on a virtual clock whose records wait past
+max_wait, a skewed stream whose value over its share is suppressed, redeliveries, a
+record TTL, a worker restarted mid-stream, and Redis changed behind the worker's back
+(the step is then refused unwritten and decoy.lua does it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+from dataclasses import replace
+
+import msgspec
+import pytest
+from harness import Harness, adult_rows
+
+from service.core.decoy_cuts import KeyedUniforms, plan_groups
+from service.core.ingest import Preparer, RawMessage
+from service.store.buffer import StreamBuffer, connect
+
+GAMMA = 5
+
+
+def test_keyed_uniforms_are_five_32_bit_slices_of_each_sha1_block():
+    uniforms = KeyedUniforms("seed", 41)
+    drawn = [uniforms() for _ in range(7)]
+    blocks = [hashlib.sha1(b"seed:%d" % k).hexdigest() for k in (42, 43)]
+    expected = [int(block[at : at + 8], 16) / 2**32 for block in blocks for at in range(0, 40, 8)]
+    assert drawn == expected[:7]
+    assert uniforms.counter == 43
+
+
+def test_a_plan_cuts_groups_of_distinct_values_taking_every_value_over_its_share():
+    generator = random.Random(5)
+    sizes = [40, 3, 9, 0, 1, 7, 2, 12]
+    plan = plan_groups(sizes, GAMMA, generator.random)
+    left = list(sizes)
+    for chosen in plan:
+        assert len(set(chosen)) == GAMMA == len(chosen) and chosen == sorted(chosen)
+        pending = sum(left)
+        forced = {i for i, s in enumerate(left) if s > 0 and s * GAMMA >= pending}
+        assert forced <= set(chosen)
+        for i in chosen:
+            left[i] -= 1
+    assert sum(1 for s in left if s > 0) < GAMMA
+    assert all(s >= 0 for s in left)
+
+
+def _config(harness: Harness, name: str, max_wait: float, ttl: float | None):
+    return replace(harness.config, name=name, max_wait=max_wait, record_ttl=ttl)
+
+
+def _steps(config, rows, per_step, step_ms, max_wait):
+    """(partition, now, batch, through) steps of `rows`, then ticks as time goes on."""
+    preparer = Preparer(config, config.service_key())
+    offsets = [0] * config.partitions
+    now, steps = 1_000_000, []
+    for start in range(0, len(rows), per_step):
+        messages = []
+        for k, v in rows[start : start + per_step]:
+            partition = len(messages) % config.partitions
+            messages.append(RawMessage(partition, offsets[partition], k, v))
+            offsets[partition] += 1
+        batches, rejected = preparer.prepare(messages)
+        assert not rejected
+        for batch in batches:
+            steps.append((batch.partition, now, batch, offsets[batch.partition] - 1))
+            if start % (3 * per_step) == 0:
+                # The same fetch stored again: every record is a redelivery.
+                steps.append((batch.partition, now, batch, offsets[batch.partition] - 1))
+        now += step_ms
+    for _ in range(3):
+        now += int(max_wait * 1000)
+        steps += [(p, now, None, -1) for p in range(config.partitions)]
+    return steps
+
+
+async def _snapshot(client, config, partition: int) -> dict:
+    """Every key a decoy step writes in a partition, decoded; records as decoy.lua's
+    fields, whichever msgpack string type they were packed with."""
+    prefix = f"splu:{{{config.name}:{partition}}}"
+    values = range(config.schema.sensitive[0].size)
+    out: dict = {
+        "off": await client.get(f"{prefix}:off"),
+        "stats": await client.hgetall(f"{prefix}:stats"),
+        "waiting": await client.hgetall(f"{prefix}:waiting"),
+        "n": await client.hgetall(f"{prefix}:n:1"),
+        "sup": await client.hgetall(f"{prefix}:sup"),
+        "t": await client.zrange(f"{prefix}:t", 0, -1, withscores=True),
+        "pool": await client.hgetall(f"{prefix}:pool"),
+        "pooled": await client.get(f"{prefix}:pooled"),
+        "buckets": [await client.zrange(f"{prefix}:b:1:{v}", 0, -1) for v in values],
+        "expiring": [
+            await client.pttl(f"{prefix}:{key}") > 0 for key in ("rec", "t", "n:1", "waiting")
+        ],
+    }
+    out["rec"] = {
+        record_id: msgspec.msgpack.decode(packed)
+        for record_id, packed in (await client.hgetall(f"{prefix}:rec")).items()
+    }
+    return out
+
+
+async def _replay(config_general, config_decided, steps, tamper_at=None, restart_at=None):
+    key = config_general.service_key()
+    client = connect(config_general)
+    general = StreamBuffer(client, config_general, key)
+    general._decides = False
+    decided = StreamBuffer(client, config_decided, key)
+    assert decided._decides
+    stale, tampered = 0, None
+    try:
+        for number, (partition, now, batch, through) in enumerate(steps):
+            if number == restart_at:
+                decided = StreamBuffer(client, config_decided, key)
+            prefix = f"splu:{{{config_general.name}:{partition}}}"
+            if tampered is None and number >= tamper_at and await client.hlen(f"{prefix}:rec"):
+                tampered = number
+                # Behind the worker's back, as a record TTL expiring would: both sides lose
+                # the same waiting record.
+                for config in (config_general, config_decided):
+                    prefix = f"splu:{{{config.name}:{partition}}}"
+                    record_id = sorted(await client.hkeys(f"{prefix}:rec"))[0]
+                    value = msgspec.msgpack.decode(await client.hget(f"{prefix}:rec", record_id))
+                    await client.hdel(f"{prefix}:rec", record_id)
+                    await client.zrem(f"{prefix}:t", record_id)
+                    await client.zrem(f"{prefix}:b:1:{value[2][0]}", record_id)
+                    await client.hincrby(f"{prefix}:n:1", value[2][0], -1)
+                held = partition in decided._decoy
+            expected = await general.ingest(partition, batch, now, through)
+            got = await decided.ingest(partition, batch, now, through)
+            assert got == expected, f"step {number}"
+            assert await _snapshot(client, config_decided, partition) == await _snapshot(
+                client, config_general, partition
+            ), f"step {number}"
+            if number == tampered and held:
+                stale += 1
+            assert partition in decided._decoy or number == tampered, f"step {number}"
+    finally:
+        await client.aclose()
+    assert tampered is not None, "no record waited to lose"
+    return stale
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize(
+    ("records", "per_step", "step_ms", "max_wait", "ttl", "skewed"),
+    [
+        (4_000, 503, 200, 3.0, None, False),
+        (900, 3, 20_000, 600.0, None, False),
+        (3_000, 200, 1_000, 4.0, 3600.0, True),
+    ],
+    ids=["burst", "slow survey", "skewed with a record ttl"],
+)
+def test_the_worker_decides_what_decoy_lua_decided(
+    servers, tmp_path, records, per_step, step_ms, max_wait, ttl, skewed
+):
+    harness = Harness(servers, tmp_path, "adult-decoy.toml", row_column=False)
+    general = _config(harness, harness.config.name + "g", max_wait, ttl)
+    decided = _config(harness, harness.config.name + "d", max_wait, ttl)
+    rows = adult_rows(general)[:records]
+    if skewed:
+        # Half the records of one value: over its share of 1/γ, so its surplus waits past
+        # max_wait and is suppressed.
+        craft = [row for row in adult_rows(general) if b'"Craft-repair"' in row[1]]
+        rows = [row for pair in zip(rows, craft, strict=False) for row in pair][:records]
+    steps = _steps(general, rows, per_step, step_ms, max_wait)
+    tamper_at, restart_at = len(steps) // 3, len(steps) // 2
+    stale = asyncio.run(_replay(general, decided, steps, tamper_at, restart_at))
+    assert stale == 1, "the step after Redis changed was not refused as stale"
