@@ -62,17 +62,19 @@ def plan_groups(sizes: Sequence[int], gamma: int, uniform: Callable[[], float]) 
     live = [i for i, s in enumerate(size) if s > 0]
     plan = []
     while len(live) >= gamma:
-        chosen = [i for i in live if size[i] * gamma >= pending]
-        weight = sum([size[i] for i in chosen])
+        chosen, weight = [], 0
+        if max(size) * gamma >= pending:
+            chosen = [i for i in live if size[i] * gamma >= pending]
+            weight = sum([size[i] for i in chosen])
+        candidates = [i for i in live if i not in chosen] if chosen else list(live)
         for _ in range(gamma - len(chosen)):
             x = uniform() * (pending - weight)
-            pick = -1
-            for i in live:
-                if i not in chosen:
-                    pick = i
-                    x -= size[i]
-                    if x < 0:
-                        break
+            pick = candidates[-1]  # where rounding leaves x at 0 past the last one
+            for pick in candidates:
+                x -= size[pick]
+                if x < 0:
+                    break
+            candidates.remove(pick)
             chosen.append(pick)
             weight += size[pick]
         chosen.sort()
