@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -40,15 +40,14 @@ class KeyedUniforms:
     def __init__(self, seed: str, drawn: int) -> None:
         self._seed = seed.encode()
         self.counter = drawn  # the last block used
-        self._slices: list[float] = []
 
-    def __call__(self) -> float:
-        if not self._slices:
+    def __iter__(self) -> Iterator[float]:
+        while True:
             self.counter += 1
             # The hex digest's 8-digit slices are the digest's big-endian 32-bit words.
-            block = _WORDS.unpack(hashlib.sha1(b"%b:%d" % (self._seed, self.counter)).digest())
-            self._slices = [word / _SCALE for word in reversed(block)]
-        return self._slices.pop()
+            block = hashlib.sha1(b"%b:%d" % (self._seed, self.counter)).digest()
+            for word in _WORDS.unpack(block):
+                yield word / _SCALE
 
 
 def plan_groups(sizes: Sequence[int], gamma: int, uniform: Callable[[], float]) -> list[list[int]]:
@@ -234,7 +233,8 @@ class DecoyPartition:
             ids.sort()
             buckets[value] = ids
         values = sorted(buckets)
-        plan = plan_groups([len(buckets[value]) for value in values], gamma, uniforms)
+        sizes = [len(buckets[value]) for value in values]
+        plan = plan_groups(sizes, gamma, iter(uniforms).__next__)
         owed = [0] * len(values)
         for chosen in plan:
             for i in chosen:
