@@ -21,7 +21,7 @@ Fingerprints.__index = Fingerprints
 
 function Fingerprints.new(key, entry_size, per_bucket)
   return setmetatable({key = key, size = entry_size, buckets = {}, changed = {},
-    per_bucket = per_bucket or PER_BUCKET}, Fingerprints)
+    per_bucket = per_bucket or PER_BUCKET, deep = false}, Fingerprints)
 end
 
 -- The key's bits as a number, its first byte lowest.
@@ -114,12 +114,16 @@ function Fingerprints:load(fields)
       if entries == SPLIT then split = true end
     end
   end
+  -- Lookups go past split buckets only in a set that has any among those loaded.
+  self.deep = self.deep or split
   return split
 end
 
 -- The stored entry's bytes after the 6-byte key (empty string if none), or nil.
 function Fingerprints:find(bucket, key)
-  local entries, init = self.buckets[self:field(bucket, key)], 1
+  local field = bucket
+  if self.deep then field = self:field(bucket, key) end
+  local entries, init = self.buckets[field], 1
   -- Most buckets of a young stream are empty: no C call for them.
   if entries == '' then return nil end
   while true do
@@ -132,7 +136,8 @@ end
 
 -- Add an entry (its key, then what the set keeps with it) to a loaded bucket.
 function Fingerprints:add(bucket, entry)
-  local field = self:field(bucket, string.sub(entry, 1, 6))
+  local field = bucket
+  if self.deep then field = self:field(bucket, string.sub(entry, 1, 6)) end
   self.buckets[field] = self.buckets[field] .. entry
   self.changed[field] = true
 end
