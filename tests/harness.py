@@ -25,7 +25,7 @@ from aiokafka.errors import KafkaError
 from deploy.embedded import free_port, spawn_consumer, spawn_worker
 from deploy.embedded.environments import SPLU
 from service.core.config import StreamConfig, load_config
-from service.core.ingest import PreparedBatch
+from service.core.ingest import PreparedBatch, Preparer, RawMessage
 from service.core.table import open_sample
 from service.core.wire import PoolEntry
 from service.store.buffer import BufferState, IngestOutcome, StreamBuffer, takes_in_flight
@@ -285,6 +285,40 @@ async def pool_in_draw_order(client: aioredis.Redis, prefix: str) -> list[bytes]
     last to the first."""
     pool = await client.hgetall(f"{prefix}:pool")
     return [pool[b"%d" % position] for position in range(len(pool), 0, -1)]
+
+
+def buffer_steps(
+    config: StreamConfig,
+    rows: list[tuple[bytes, bytes]],
+    per_step: int,
+    step_ms: int,
+    ticks: int,
+    stored_again: int = 0,
+) -> list[tuple[int, int, PreparedBatch | None, int]]:
+    """The buffer steps of `rows` on a virtual clock, as (partition, now, batch, highest raw
+    offset): `per_step` records spread over the partitions every `step_ms`, then `ticks`
+    rounds of a tick per partition, max_wait apart, as time goes on without records. With
+    `stored_again`, every that many steps' batches are stored twice, as a redelivered
+    fetch is."""
+    preparer = Preparer(config, config.service_key())
+    offsets = [0] * config.partitions
+    now, steps = 1_000_000, []
+    for number, start in enumerate(range(0, len(rows), per_step)):
+        messages = []
+        for k, v in rows[start : start + per_step]:
+            partition = len(messages) % config.partitions
+            messages.append(RawMessage(partition, offsets[partition], k, v))
+            offsets[partition] += 1
+        batches, rejected = preparer.prepare(messages)
+        assert not rejected
+        for batch in batches:
+            times = 2 if stored_again and number % stored_again == 0 else 1
+            steps += [(batch.partition, now, batch, offsets[batch.partition] - 1)] * times
+        now += step_ms
+    for _ in range(ticks):
+        now += int(config.max_wait * 1000)
+        steps += [(p, now, None, -1) for p in range(config.partitions)]
+    return steps
 
 
 def adult_rows(config: StreamConfig, start: int = 0) -> list[tuple[bytes, bytes]]:

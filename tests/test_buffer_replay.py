@@ -22,10 +22,8 @@ from dataclasses import replace
 
 import pytest
 import redis.asyncio as aioredis
-from harness import Harness, adult_rows
+from harness import Harness, adult_rows, buffer_steps
 from replay_buffer import replay_both
-
-from service.core.ingest import Preparer, RawMessage
 
 pytestmark = pytest.mark.redis
 
@@ -51,26 +49,8 @@ def test_the_new_buffer_publishes_what_the_old_one_did(
     harness = Harness(servers, tmp_path, "adult-decoy.toml", row_column=False)
     config = replace(harness.config, max_wait=max_wait)
     key = config.service_key()
-    preparer = Preparer(config, key)
     rows = adult_rows(config)[:records]
-    steps = []
-    offsets = [0] * config.partitions
-    now = 1_000_000
-    for start in range(0, records, per_step):
-        messages = []
-        for k, v in rows[start : start + per_step]:
-            partition = len(messages) % config.partitions
-            messages.append(RawMessage(partition, offsets[partition], k, v))
-            offsets[partition] += 1
-        batches, rejected = preparer.prepare(messages)
-        assert not rejected
-        for batch in batches:
-            steps.append((batch.partition, now, batch, offsets[batch.partition] - 1))
-        now += step_ms
-    # Time goes on without records: waits run out and quiet pools leave.
-    for _ in range(10):
-        now += int(max_wait * 1000)
-        steps += [(p, now, None, -1) for p in range(config.partitions)]
+    steps = buffer_steps(config, rows, per_step, step_ms, ticks=10)
 
     async def run():
         client = aioredis.from_url(config.redis_url)

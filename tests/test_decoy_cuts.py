@@ -17,10 +17,9 @@ from dataclasses import replace
 
 import msgspec
 import pytest
-from harness import Harness, adult_rows
+from harness import Harness, adult_rows, buffer_steps
 
 from service.core.decoy_cuts import KeyedUniforms, plan_groups
-from service.core.ingest import Preparer, RawMessage
 from service.store.buffer import StreamBuffer, connect
 
 GAMMA = 5
@@ -54,31 +53,6 @@ def test_a_plan_cuts_groups_of_distinct_values_taking_every_value_over_its_share
 
 def _config(harness: Harness, name: str, max_wait: float, ttl: float | None):
     return replace(harness.config, name=name, max_wait=max_wait, record_ttl=ttl)
-
-
-def _steps(config, rows, per_step, step_ms, max_wait):
-    """(partition, now, batch, through) steps of `rows`, then ticks as time goes on."""
-    preparer = Preparer(config, config.service_key())
-    offsets = [0] * config.partitions
-    now, steps = 1_000_000, []
-    for start in range(0, len(rows), per_step):
-        messages = []
-        for k, v in rows[start : start + per_step]:
-            partition = len(messages) % config.partitions
-            messages.append(RawMessage(partition, offsets[partition], k, v))
-            offsets[partition] += 1
-        batches, rejected = preparer.prepare(messages)
-        assert not rejected
-        for batch in batches:
-            steps.append((batch.partition, now, batch, offsets[batch.partition] - 1))
-            if start % (3 * per_step) == 0:
-                # The same fetch stored again: every record is a redelivery.
-                steps.append((batch.partition, now, batch, offsets[batch.partition] - 1))
-        now += step_ms
-    for _ in range(3):
-        now += int(max_wait * 1000)
-        steps += [(p, now, None, -1) for p in range(config.partitions)]
-    return steps
 
 
 async def _snapshot(client, config, partition: int) -> dict:
@@ -170,7 +144,7 @@ def test_the_worker_decides_what_decoy_lua_decided(
         # max_wait and is suppressed.
         craft = [row for row in adult_rows(general) if b'"Craft-repair"' in row[1]]
         rows = [row for pair in zip(rows, craft, strict=False) for row in pair][:records]
-    steps = _steps(general, rows, per_step, step_ms, max_wait)
+    steps = buffer_steps(general, rows, per_step, step_ms, ticks=3, stored_again=3)
     tamper_at, restart_at = len(steps) // 3, len(steps) // 2
     stale = asyncio.run(_replay(general, decided, steps, tamper_at, restart_at))
     assert stale == 1, "the step after Redis changed was not refused as stale"
