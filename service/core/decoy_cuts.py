@@ -4,10 +4,11 @@
 (``decoy_store.lua``, `service.store.buffer.StreamBuffer`).
 
 The worker holds a partition's waiting records as Redis holds them (loaded once it
-claims the partition), decides one step from them (`DecoyPartition.step`), and adopts
-the step's state only once Redis stored it (`DecoyPartition.adopt`). decoy.lua stays the
-general step: several sensitive attributes, a partition's close, and any step whose
-assumptions Redis refuses.
+claims the partition) and decides one step from them (`DecoyPartition.step`); the step
+changes the state held to what Redis holds once it stores the step, and a step Redis
+refuses leaves the state to be loaded again. decoy.lua stays the general step: several
+sensitive attributes, a partition's close, and any step whose assumptions Redis
+refuses.
 
 Cuts, as decoy.lua makes them: groups of γ distinct values are cut while γ values wait.
 A value whose records are at least 1/γ of those waiting is always taken; the rest are
@@ -68,7 +69,7 @@ def plan_groups(sizes: Sequence[int], gamma: int, uniform: Callable[[], float]) 
         candidates = [i for i in live if i not in chosen] if chosen else list(live)
         for _ in range(gamma - len(chosen)):
             x = uniform() * (pending - weight)
-            pick = candidates[-1]  # where rounding leaves x at 0 past the last one
+            # Where rounding leaves x at 0 past the last candidate, the last is picked.
             for pick in candidates:
                 x -= size[pick]
                 if x < 0:
@@ -172,11 +173,10 @@ class DecoyPartition:
         uniforms = KeyedUniforms(seed, self.draws)
         if fresh:
             self._cut(step, arrivals, fresh, now_ms, gamma, uniforms)  # type: ignore[arg-type]
-        # What the cut left of the arrivals waits, in the order they came.
-        if fresh:
             if now_ms < self._latest:
                 self._in_order = False
             self._latest = max(self._latest, now_ms)
+        # What the cut left of the arrivals waits, in the order they came.
         for record_id, position in fresh.items():
             record = Waiting(
                 now_ms,
