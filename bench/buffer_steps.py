@@ -1,4 +1,4 @@
-"""Redis CPU per record of each step of the stream's buffer, and the worker's own parts.
+"""Redis CPU and worker CPU per record of each step of the stream's buffer.
 
 Drives the worker's steps directly on an embedded Redis-protocol server
 (``deploy.embedded.RedisServer``, ``appendfsync always``), with no broker and no worker
@@ -7,8 +7,9 @@ replacement (seed 0), decoy groups (``deploy/examples/adult-decoy.toml``), --par
 partitions, fetches of --fetch records. Per fetch: ``Preparer.prepare`` (worker CPU),
 the gate and the identity screen (``Lifecycle``), then per partition the ingest step,
 every take it allows (``StreamBuffer.take``, limit 20,000) and its acknowledgement, as
-the emission round does. Per step: wall time and the server process's CPU
-(utime + stime from ``/proc/<pid>/stat``), per record.
+the emission round does. Per step, per record: wall time, the CPU of this process (the
+worker's part: Python, the client's encoding and parsing) and the server process's CPU
+(utime + stime from ``/proc/<pid>/stat``).
 
 --checkout DIR imports ``service`` and ``deploy`` from another checkout (e.g. a
 ``git worktree`` of an earlier commit), so two versions can be measured side by side by
@@ -26,7 +27,7 @@ import sys
 import tempfile
 import time
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -42,15 +43,14 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
-async def measure(args: argparse.Namespace) -> dict[str, tuple[float, float]]:
-    import redis.asyncio as aioredis
+async def measure(args: argparse.Namespace) -> dict[str, tuple[float, float, float]]:
     import tomli_w
 
     from deploy.embedded import RedisServer
     from service.core.config import load_config
     from service.core.ingest import Preparer, RawMessage
     from service.core.table import open_sample
-    from service.store.buffer import StreamBuffer
+    from service.store.buffer import StreamBuffer, connect
     from service.store.lifecycle import Lifecycle
 
     work = Path(tempfile.mkdtemp(prefix="splu-steps-"))
@@ -77,16 +77,20 @@ async def measure(args: argparse.Namespace) -> dict[str, tuple[float, float]]:
             for i, j in enumerate(chosen.tolist())
         ]
         preparer = Preparer(config, key)
-        client = aioredis.from_url(config.redis_url)
+        # The worker's own client: its encoder is part of the worker's cost.
+        client = connect(config)
         buffer, lifecycle = StreamBuffer(client, config, key), Lifecycle(client, config)
         wall = dict.fromkeys(STEPS, 0.0)
+        worker_cpu = dict.fromkeys(STEPS, 0.0)
         server_cpu = dict.fromkeys(STEPS, 0.0)
 
         @contextmanager
         def timed(step: str) -> Iterator[None]:
             started, cpu = time.perf_counter(), cpu_seconds(server.pid)
+            own = time.process_time()
             yield
             wall[step] += time.perf_counter() - started
+            worker_cpu[step] += time.process_time() - own
             server_cpu[step] += cpu_seconds(server.pid) - cpu
 
         now = 1_000_000
@@ -117,14 +121,18 @@ async def measure(args: argparse.Namespace) -> dict[str, tuple[float, float]]:
                     await buffer.acknowledge(batch.partition, acknowledged, now)
             now += 100
         await client.aclose()
-        return {s: (wall[s] / args.records, server_cpu[s] / args.records) for s in STEPS}
+        return {
+            s: (wall[s] / args.records, worker_cpu[s] / args.records, server_cpu[s] / args.records)
+            for s in STEPS
+        }
     finally:
         server.stop()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description="Redis CPU and wall time per record of each step of the stream's buffer "
+        description="Wall time, worker CPU and Redis CPU per record of each step of the "
+        "stream's buffer "
         "(prepare, gate, screen, ingest, take, acknowledge) on an embedded server."
     )
     parser.add_argument("--records", type=int, default=40_000, help="records (default 40000)")
@@ -143,11 +151,16 @@ def main() -> None:
         f"code from {root}"
     )
     results = asyncio.run(measure(args))
-    print(f"{'step':12} | {'wall µs/record':>14} | {'Redis CPU µs/record':>19}")
-    for step, (wall, cpu) in results.items():
-        print(f"{step:12} | {wall * 1e6:14.1f} | {cpu * 1e6:19.1f}")
-    total = sum(cpu for _, cpu in results.values())
-    print(f"{'all':12} | {'':14} | {total * 1e6:19.1f}")
+    header = ("wall µs/record", "worker CPU µs/record", "Redis CPU µs/record")
+
+    def row(name: str, times: Iterable[float]) -> str:
+        cells = (f"{t * 1e6:{len(h)}.1f}" for t, h in zip(times, header, strict=True))
+        return f"{name:12} | " + " | ".join(cells)
+
+    print(f"{'step':12} | " + " | ".join(header))
+    for step, times in results.items():
+        print(row(step, times))
+    print(row("all", [sum(times[k] for times in results.values()) for k in range(3)]))
 
 
 if __name__ == "__main__":

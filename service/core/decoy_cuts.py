@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from service.core.takes import MixingPool
+
 # Hex digits per uniform (32-bit uniforms), and uniforms per SHA-1 block: uniforms.lua's.
 UNIFORM_HEX = 8
 _PER_BLOCK = 40 // UNIFORM_HEX
@@ -148,6 +150,8 @@ class DecoyPartition:
         self._latest = max((record.arrival for record in waiting.values()), default=0)
         self._in_order = True
         self.buckets: dict[int, list[bytes]] = {}
+        # The partition's mixing pool, when the worker holds it too (`service.core.takes`).
+        self.pool: MixingPool | None = None
         for record_id in sorted(waiting):
             self.buckets.setdefault(waiting[record_id].value, []).append(record_id)
 
@@ -187,6 +191,8 @@ class DecoyPartition:
             self.waiting[record_id] = record
             step.new_waiting.append((record_id, record))
         self._suppress(step, now_ms - max_wait_ms, fresh)
+        if self.pool is not None:
+            self.pool.add(step.pool_entries, now_ms)
         self.watermark, self.draws = highest, uniforms.counter
         self.groups += step.groups
         step.watermark, step.draws, step.waiting = highest, uniforms.counter, len(self.waiting)

@@ -53,6 +53,7 @@ from service.core.decoy_cuts import Arrivals, DecoyPartition, DecoyStep, Waiting
 from service.core.guarantees import budget_level, trial_limit
 from service.core.ingest import PreparedBatch
 from service.core.prf import ServiceKey
+from service.core.takes import MixingPool
 from service.core.wire import truth_and_arrival
 from service.store.packing import packing_with_hiredis
 
@@ -481,6 +482,9 @@ class StreamBuffer(BufferState):
             )
         )
         self._take = client.register_script(lua_script("fence", "uniforms", "emit"))
+        # A partition whose decoy steps the worker decides has its pool held too: the worker
+        # draws each take from it, and Redis checks and stores the take (take_store.lua).
+        self._take_store = client.register_script(lua_script("fence", "take_store"))
         self._acknowledge = client.register_script(lua_script("fence", "acknowledge"))
         self._claim = client.register_script(lua_script("claim"))
         # With one sensitive attribute the worker decides each decoy step from the
@@ -593,6 +597,8 @@ class StreamBuffer(BufferState):
             self._closing.add(partition)
         if isinstance(result, bytes):
             return None
+        if state.pool is not None and len(state.pool) != int(result):
+            state.pool = None  # never expected: takes go back to emit.lua
         self._decoy[partition] = state
         if batch is not None or through >= 0:
             await self.replication.confirm(self.prefix(partition))
@@ -629,7 +635,9 @@ class StreamBuffer(BufferState):
             pipe.get(f"{prefix}:off")
             pipe.hmget(f"{prefix}:stats", "draws", "groups")
             pipe.hgetall(f"{prefix}:rec")
-            close, watermark, (draws, groups), records = await pipe.execute()
+            pipe.hgetall(f"{prefix}:pool")
+            pipe.get(f"{prefix}:pooled")
+            close, watermark, (draws, groups), records, pooled, pooled_ms = await pipe.execute()
         if any(close):
             self._closing.add(partition)
             return None
@@ -639,7 +647,11 @@ class StreamBuffer(BufferState):
             waiting[record_id] = Waiting(
                 int(arrival), public.encode(), int(values[0]), int(draws_of[0])
             )
-        return DecoyPartition(int(watermark or -1), int(draws or 0), int(groups or 0), waiting)
+        state = DecoyPartition(int(watermark or -1), int(draws or 0), int(groups or 0), waiting)
+        entries = [pooled.get(b"%d" % position) for position in range(1, len(pooled) + 1)]
+        if None not in entries:  # dense, as pool.lua keeps it
+            state.pool = MixingPool(entries, int(pooled_ms or 0))
+        return state
 
     def grouped_messages(self, batch: PreparedBatch) -> list[tuple[bytes, bytes]]:
         """A personal stream's first hop: each record of a raw batch as a message of
@@ -724,6 +736,11 @@ class StreamBuffer(BufferState):
         partition's is in. Each take draws 128 fresh bits from the OS for its shuffle and
         tokens."""
         seed = self._entropy(SHUFFLE_SEED_BYTES)
+        if partition in self._decoy and partition not in self._closing:
+            async with self._stepping.setdefault(partition, asyncio.Lock()):
+                emission = await self._take_held(partition, now_ms, limit, seed)
+            if emission is not None:
+                return emission
         config = self.config
         expected = min(limit, self._pooled.get(partition, 0) - config.mixing_pool)
         waits_for = config.partitions if partition == FINAL_POOL else 0
@@ -737,6 +754,38 @@ class StreamBuffer(BufferState):
             return Emission()
         await self.replication.confirm(self.prefix(partition))
         return Emission.of_take(seed, joined.split(TAKE_SEPARATOR))
+
+    async def _take_held(
+        self, partition: int, now_ms: int, limit: int, seed: str
+    ) -> Emission | None:
+        """A take drawn here from the pool held (`service.core.takes`), stored by
+        take_store.lua; None if no pool is held or Redis refused the take unwritten (a
+        close under way, or a pool not as this worker holds it), for emit.lua to draw on
+        Redis's state."""
+        await self._generation(partition)  # a new claim drops the state held
+        state = self._decoy.get(partition)
+        if state is None or state.pool is None:
+            return None
+        config, pool = self.config, state.pool
+        due = pool.due(now_ms, config.mixing_pool, int(config.flush_interval * 1000), limit)
+        self._pooled[partition] = len(pool)
+        if not due:
+            return Emission()
+        # Held again only once Redis stored the take.
+        del self._decoy[partition]
+        take = pool.take(due, seed)
+        args: list = [take.size, seed, due, TAKE_SEPARATOR.join(take.entries)]
+        for position, entry in take.moved:
+            args += (position, entry)
+        result = await self._fenced(self._take_store, partition, args)
+        if result == b"CLOSING":
+            self._closing.add(partition)
+        if isinstance(result, bytes):
+            return None
+        self._decoy[partition] = state
+        self._pooled[partition] = int(result)
+        await self.replication.confirm(self.prefix(partition))
+        return Emission.of_take(seed, take.entries)
 
     async def in_flight(self, partition: int) -> Emission:
         """Emissions not yet acknowledged, to re-send with their tokens, in an order drawn
