@@ -54,7 +54,7 @@ from service.core.guarantees import budget_level, trial_limit
 from service.core.ingest import PreparedBatch
 from service.core.prf import ServiceKey
 from service.core.takes import MixingPool
-from service.core.wire import truth_and_arrival
+from service.core.wire import truth_cells_and_arrivals
 from service.store.packing import packing_with_hiredis
 
 # Upper bounds of the delay histogram in ms (`StreamBuffer.acknowledge` counts with these).
@@ -299,11 +299,7 @@ def acknowledgement(take_id: str, entries: list[bytes], now_ms: int) -> list:
     """What acknowledge.lua adds for one take of `entries` published at `now_ms`: the take's
     id, the numbers of its truth cells and delay fields, then (cell, records) pairs and
     (field, count) pairs of the delay histogram (`DELAY_BOUNDS_MS`, "count", "sum_ms")."""
-    cells: Counter[bytes] = Counter()
-    arrivals: Counter[bytes] = Counter()
-    for cell, arrival in map(truth_and_arrival, entries):
-        cells[cell] += 1
-        arrivals[arrival] += 1
+    cells, arrivals = truth_cells_and_arrivals(entries)
     # Records stored by one ingest call share their arrival, so a take holds few distinct ones.
     delays: Counter[str] = Counter(count=len(entries))
     total_ms = 0
@@ -315,8 +311,7 @@ def acknowledgement(take_id: str, entries: list[bytes], now_ms: int) -> list:
     delays["sum_ms"] = total_ms
     fields: list = [take_id, len(cells), len(delays)]
     for counts in (cells, delays):
-        for field, count in counts.items():
-            fields += (field, count)
+        fields += [item for pair in counts.items() for item in pair]
     return fields
 
 
