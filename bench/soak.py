@@ -254,6 +254,7 @@ def interval_line(
     produced: int,
     status: dict[str, Any],
     previous: dict[str, Any],
+    redis_used: int | None,
     worker_rss: int | None,
     consumer_rss: int | None,
 ) -> str:
@@ -269,7 +270,7 @@ def interval_line(
         f"pool {worker['pool']:6,}  backlog {produced - worker['ingested']:7,}  "
         f"counted {status['consumer']['counted']:9,} | {throughput:6,.0f} rec/s  "
         f"delay p50 {seconds(p50)} p99 {seconds(p99)} | "
-        f"Redis {megabytes(worker['redis_memory_bytes'])}  worker {megabytes(worker_rss)}  "
+        f"Redis {megabytes(redis_used)}  worker {megabytes(worker_rss)}  "
         f"consumer {megabytes(consumer_rss)}{paused}"
     )
 
@@ -408,6 +409,7 @@ class Soak:
         print(
             interval_line(
                 time.time() - self.started, feed.taken, status, previous,
+                self.samples[-1].redis_used if self.samples else None,
                 rss(self.processes["worker"].pid), rss(self.processes["consumer"].pid),
             ),
             flush=True,

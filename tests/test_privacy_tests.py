@@ -218,6 +218,36 @@ def test_bad_report_settings_name_the_field(reports, message):
 
 
 @pytest.mark.redis
+def test_redis_memory_is_unknown_until_the_workers_first_audit(servers):
+    """Before the worker's first audit the consumer knows no Redis memory: its status says
+    None (the live page shows a dash) and /metrics has no sample, never a 0."""
+    from streams.consumer.app import Consumer
+
+    config = example("adult-decoy.toml")
+
+    async def scenario():
+        client = aioredis.from_url(servers.redis_url)
+        consumer = Consumer(config, client, publisher=None, leads=lambda: False)  # type: ignore[arg-type]
+        before = await consumer.status()
+        record = {"time": 0, "tests": [], "redis_memory_bytes": 7, "redis_memory_limit_bytes": 9}
+        await client.set(consumer.buffer.audit_key, json.dumps(record))
+        after = await consumer.status()
+        await client.aclose()
+        return before, after
+
+    before, after = asyncio.run(scenario())
+    assert before["worker"]["redis_memory_bytes"] is None
+    assert before["worker"]["redis_memory_limit_bytes"] is None
+    assert not [k for k in samples(render_prometheus(before)) if "redis_memory" in k[0]]
+    assert (
+        samples(render_prometheus(after))[
+            "splu_redis_memory_bytes", frozenset([("stream", config.name)])
+        ]
+        == 7
+    )
+
+
+@pytest.mark.redis
 def test_consumer_counts_each_token_once_at_any_age_in_bounded_memory(servers):
     """A token is counted once however late it comes back (a worker down for days re-sends
     what it had in flight): Redis keeps a 6-byte fingerprint per token, nothing expires."""

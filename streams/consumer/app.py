@@ -260,17 +260,18 @@ class Consumer:
             for query, estimate in zip(self.standing_queries, estimates, strict=True)
         ]
 
-    async def worker_side(self) -> tuple[dict[str, int], dict[str, int]]:
-        totals = await self.buffer.totals()
+    async def worker_side(self) -> tuple[dict[str, int | None], dict[str, int]]:
+        totals: dict[str, int | None] = dict(await self.buffer.totals())
         if self.config.windowed is not None:
             # A windowed worker keeps no gauge the consumer may read (they count records
             # in windows): what is neither published nor suppressed waits in a window.
             totals["pending"], totals["expired"] = totals.get("expired", 0), 0
         totals["buffer_cap"] = self.config.buffer_cap
         # The worker's audit reads the server's memory: INFO would also count its keys.
+        # Unknown (None: the page shows a dash, /metrics leaves it out) until it first ran.
         audit = await self.buffer.audit() or {}
-        totals["redis_memory_bytes"] = audit.get("redis_memory_bytes", 0)
-        totals["redis_memory_limit_bytes"] = audit.get("redis_memory_limit_bytes", 0)
+        totals["redis_memory_bytes"] = audit.get("redis_memory_bytes")
+        totals["redis_memory_limit_bytes"] = audit.get("redis_memory_limit_bytes")
         return totals, await self.buffer.delays()
 
     async def sample(self) -> None:
