@@ -162,7 +162,8 @@ class PreparedBatch:
     def id_bytes(self) -> list[bytes]:
         """Each id as 32 hex digits: Redis keys and pool entries stay free of separators."""
         raw = self.ids.astype(">u8").tobytes().hex().encode()
-        return [raw[32 * i : 32 * i + 32] for i in range(len(self.ids))]
+        # Cut in C: hex digits hold no NUL, which a bytes dtype would strip.
+        return np.frombuffer(raw, dtype="S32").tolist()
 
 
 @dataclass(frozen=True)
