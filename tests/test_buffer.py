@@ -34,7 +34,7 @@ from service.core.mechanisms.decoy import DecoyGroups
 from service.core.mechanisms.personal import UniformPerturbation
 from service.core.prf import ServiceKey
 from service.core.table import open_sample
-from service.core.wire import PoolEntry, cell_key
+from service.core.wire import PoolEntry, cell_key, truth_cells_and_arrivals
 from service.store.auditor import TrustedState
 from service.store.buffer import FencedError, StreamBuffer
 
@@ -367,11 +367,16 @@ def test_a_take_re_sent_after_a_crash_keeps_its_tokens_and_counts_once(servers):
         await restarted.acknowledge(0, taken[0], T0)
         left = await restarted.in_flight(0)
         stats, truth = await buffer.stats(0), await TrustedState(client, config).truth()
+        (tally,) = [k async for k in client.scan_iter(match=f"{buffer.prefix(0)}:truth:*")]
+        cells = {cell: int(n) for cell, n in (await client.hgetall(tally)).items()}
         await client.aclose()
-        return taken, again, left, stats, truth
+        return taken, again, left, stats, truth, cells
 
-    taken, again, left, stats, truth = run(scenario())
+    taken, again, left, stats, truth, cells = run(scenario())
     both = taken[0] + taken[1]
+    # Both takes in one acknowledgement, their shared cells added up once each.
+    expected, _ = truth_cells_and_arrivals(entry for _, entry in both)
+    assert cells == dict(expected) and len(expected) < 600
     assert len(both) == 600 and len({token for token, _ in both}) == 600
     assert all(len(token) == 32 and int(token, 16) >= 0 for token, _ in both)
     assert sorted(again) == sorted(both) and list(again) != both

@@ -33,46 +33,66 @@ end
 redis.call('HSET', k_stats, 'truth_epoch', math.max(epoch, last))
 local k_truth = base .. ':truth:' .. epoch
 
-local truth, delay = {}, {}
-local published = 0
+-- Cells and delay fields, in the order first named, with their records: a take's cells
+-- are distinct (the worker totalled them), so only a cell named by two takes of one call
+-- is looked up again.
+local cells, cell_counts, cell_at = {}, {}, {}
+local fields, field_counts, field_at = {}, {}, {}
+local function add(names, counts, at, name, n)
+  local i = at[name]
+  if i then
+    counts[i] = counts[i] + n
+  else
+    i = #names + 1
+    names[i], counts[i], at[name] = name, n, i
+  end
+end
+local published, takes = 0, 0
 local a = 3
 while a <= #ARGV do
-  local cells, fields = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+  local n_cells, n_fields = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
   local first = a + 3
-  a = first + 2 * (cells + fields)
+  a = first + 2 * (n_cells + n_fields)
   if redis.call('HDEL', k_takes, ARGV[first - 3]) == 1 then
-    for k = first, first + 2 * cells - 1, 2 do
-      local cell, n = ARGV[k], tonumber(ARGV[k + 1])
-      truth[cell] = (truth[cell] or 0) + n
-      published = published + n
+    takes = takes + 1
+    if takes == 2 then
+      for i = 1, #cells do cell_at[cells[i]] = i end
     end
-    for k = first + 2 * cells, a - 1, 2 do
-      delay[ARGV[k]] = (delay[ARGV[k]] or 0) + tonumber(ARGV[k + 1])
+    for k = first, first + 2 * n_cells - 1, 2 do
+      local n = tonumber(ARGV[k + 1])
+      published = published + n
+      if takes == 1 then
+        local i = #cells + 1
+        cells[i], cell_counts[i] = ARGV[k], n
+      else
+        add(cells, cell_counts, cell_at, ARGV[k], n)
+      end
+    end
+    for k = first + 2 * n_cells, a - 1, 2 do
+      add(fields, field_counts, field_at, ARGV[k], tonumber(ARGV[k + 1]))
     end
   end
 end
 
 -- Cells are many (all public attributes and the sensitive ones: one per two Adult records):
 -- one HMGET and one HSET per thousand cells cost Redis far less than an HINCRBY each.
-local function add_counts(key, counts)
-  local names = {}
-  for name in pairs(counts) do names[#names + 1] = name end
+local function add_counts(key, names, counts)
   for start = 1, #names, 1000 do
     local stop = math.min(start + 999, #names)
     local current = redis.call('HMGET', key, unpack(names, start, stop))
-    local fields = {}
+    local writes = {}
     for j = start, stop do
-      local name = names[j]
-      fields[#fields + 1] = name
-      fields[#fields + 1] = (tonumber(current[j - start + 1]) or 0) + counts[name]
+      local k = 2 * (j - start)
+      writes[k + 1] = names[j]
+      writes[k + 2] = (tonumber(current[j - start + 1]) or 0) + counts[j]
     end
-    redis.call('HSET', key, unpack(fields))
+    redis.call('HSET', key, unpack(writes))
   end
 end
 if published > 0 then
-  add_counts(k_truth, truth)
+  add_counts(k_truth, cells, cell_counts)
   redis.call('PEXPIRE', k_truth, 2 * retention)
-  add_counts(k_delay, delay)
+  add_counts(k_delay, fields, field_counts)
   redis.call('HINCRBY', k_stats, 'published', published)
   redis.call('HINCRBY', k_stats, 'in_flight', -published)
 end
