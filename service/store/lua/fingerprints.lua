@@ -59,15 +59,19 @@ function Fingerprints:load_args(first, last, step, at)
 end
 
 -- Load the buckets of the fingerprints packed in `blob`, one every `stride` bytes, each
--- starting with its bucket and key.
+-- starting with its bucket and key; returns each fingerprint's bucket, in order.
 function Fingerprints:load_packed(blob, stride)
-  local buckets = {}
-  for at = 1, #blob, stride do buckets[#buckets + 1] = string.sub(blob, at, at + 1) end
+  local buckets, n = {}, 0
+  for at = 1, #blob, stride do
+    n = n + 1
+    buckets[n] = string.sub(blob, at, at + 1)
+  end
   if self:load_distinct(buckets) then
     local members = {}
     for at = 1, #blob, stride do members[#members + 1] = string.sub(blob, at, at + 7) end
     self:load_deeper(members)
   end
+  return buckets
 end
 
 -- Load each of `fields` once, however often it is named there; whether any is split.
@@ -169,17 +173,32 @@ function Fingerprints:split(field)
 end
 
 function Fingerprints:store()
-  local changed = {}
-  for field in pairs(self.changed) do changed[#changed + 1] = field end
-  for _, field in ipairs(changed) do self:split(field) end
-  local fields = {}
+  local buckets, limit = self.buckets, self.per_bucket * self.size
+  local changed, n = {}, 0
   for field in pairs(self.changed) do
-    fields[#fields + 1] = field
-    fields[#fields + 1] = self.buckets[field]
-    if #fields >= 1000 then
-      redis.call('HSET', self.key, unpack(fields))
-      fields = {}
+    n = n + 1
+    changed[n] = field
+  end
+  local split = false
+  for i = 1, n do
+    if #buckets[changed[i]] > limit then
+      self:split(changed[i])
+      split = true
     end
   end
-  if #fields > 0 then redis.call('HSET', self.key, unpack(fields)) end
+  if split then  -- the halves written are changed fields too
+    changed, n = {}, 0
+    for field in pairs(self.changed) do
+      n = n + 1
+      changed[n] = field
+    end
+  end
+  for start = 1, n, 500 do
+    local fields, k = {}, 0
+    for i = start, math.min(start + 499, n) do
+      fields[k + 1], fields[k + 2] = changed[i], buckets[changed[i]]
+      k = k + 2
+    end
+    redis.call('HSET', self.key, unpack(fields))
+  end
 end

@@ -29,7 +29,7 @@ local base = KEYS[1]
 local packed = ARGV[1]
 local count = #packed / 20
 local seen = Fingerprints.new(base .. ':seen', 18)
-seen:load_packed(packed, 20)
+local buckets = seen:load_packed(packed, 20)
 local k_screened = base .. ':screened'
 local watermarks = {}
 for j = 2, #ARGV, 2 do
@@ -50,7 +50,7 @@ end
 local redelivered, conflicts, found = 0, 0, {}
 for r = 1, count do
   local at = 20 * r - 19
-  local bucket, key = string.sub(packed, at, at + 1), string.sub(packed, at + 2, at + 7)
+  local bucket, key = buckets[r], string.sub(packed, at + 2, at + 7)
   local known = seen:find(bucket, key)
   if not known then
     seen:add(bucket, string.sub(packed, at + 2, at + 19))
