@@ -476,10 +476,10 @@ class StreamBuffer(BufferState):
                 "fence", "fingerprints", "uniforms", "pool", "ingest", *config.spec.stream_scripts
             )
         )
-        self._take = client.register_script(lua_script("fence", "uniforms", "emit"))
+        self._take = client.register_script(lua_script("fence", "uniforms", "pool", "emit"))
         # A partition whose decoy steps the worker decides has its pool held too: the worker
         # draws each take from it, and Redis checks and stores the take (take_store.lua).
-        self._take_store = client.register_script(lua_script("fence", "take_store"))
+        self._take_store = client.register_script(lua_script("fence", "pool", "take_store"))
         self._acknowledge = client.register_script(lua_script("fence", "acknowledge"))
         self._claim = client.register_script(lua_script("claim"))
         # With one sensitive attribute the worker decides each decoy step from the

@@ -115,29 +115,17 @@ for start = 1, #read, 1000 do
 end
 local taken = {}
 for step = 1, count do taken[step] = entry_at[drawn[step]] end
-if left == 0 then
-  redis.call('DEL', k_pool, base .. ':pooled')
-else
-  -- HMSET, with HSET's effect, so that a MONITOR feed tells a record moved within the
-  -- pool from one entering it (pool.lua), which tests/test_faults.py counts.
-  for start = 1, #moved_to, 1000 do
-    local fields = {}
-    for k = start, math.min(start + 999, #moved_to) do
-      local j = moved_to[k]
-      fields[#fields + 1] = j
-      fields[#fields + 1] = entry_at[from[j]]
-    end
-    redis.call('HMSET', k_pool, unpack(fields))
+-- HMSET, with HSET's effect, so that a MONITOR feed tells a record moved within the pool
+-- from one entering it (pool.lua), which tests/test_faults.py counts.
+for start = 1, #moved_to, 1000 do
+  local fields = {}
+  for k = start, math.min(start + 999, #moved_to) do
+    local j = moved_to[k]
+    fields[#fields + 1] = j
+    fields[#fields + 1] = entry_at[from[j]]
   end
-  for start = left + 1, size, 1000 do
-    local positions = {}
-    for p = start, math.min(start + 999, size) do positions[p - start + 1] = p end
-    redis.call('HDEL', k_pool, unpack(positions))
-  end
+  redis.call('HMSET', k_pool, unpack(fields))
 end
-
 local take = table.concat(taken, '\n')
-redis.call('HSET', k_takes, seed, take)
-redis.call('HSET', k_stats, 'pool', left)
-redis.call('HINCRBY', k_stats, 'in_flight', count)
+pool_took(base, seed, take, count, left, size)
 return {left, take}

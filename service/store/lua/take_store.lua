@@ -11,7 +11,7 @@
 --          having written nothing: the worker then runs emit.lua on Redis's own state.
 
 local base = KEYS[1]
-local k_pool, k_takes, k_stats = base .. ':pool', base .. ':takes', base .. ':stats'
+local k_pool, k_takes = base .. ':pool', base .. ':takes'
 local size, seed, count, take = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), ARGV[4]
 assert(#seed >= 32, 'the shuffle needs a seed of at least 128 bits')
 
@@ -23,20 +23,9 @@ if redis.call('HEXISTS', k_takes, seed) == 1 then
 end
 
 local left = size - count
-if left == 0 then
-  redis.call('DEL', k_pool, base .. ':pooled')
-else
-  -- HMSET, as emit.lua moves records within the pool (tests/test_faults.py counts them).
-  for start = 5, #ARGV, 2000 do
-    redis.call('HMSET', k_pool, unpack(ARGV, start, math.min(start + 1999, #ARGV)))
-  end
-  for start = left + 1, size, 1000 do
-    local positions = {}
-    for p = start, math.min(start + 999, size) do positions[p - start + 1] = p end
-    redis.call('HDEL', k_pool, unpack(positions))
-  end
+-- HMSET, as emit.lua moves records within the pool (tests/test_faults.py counts them).
+for start = 5, #ARGV, 2000 do
+  redis.call('HMSET', k_pool, unpack(ARGV, start, math.min(start + 1999, #ARGV)))
 end
-redis.call('HSET', k_takes, seed, take)
-redis.call('HSET', k_stats, 'pool', left)
-redis.call('HINCRBY', k_stats, 'in_flight', count)
+pool_took(base, seed, take, count, left, size)
 return left
