@@ -593,7 +593,8 @@ class StreamBuffer(BufferState):
         if isinstance(result, bytes):
             return None
         if state.pool is not None and len(state.pool) != int(result):
-            state.pool = None  # never expected: takes go back to emit.lua
+            # Redis's pool changed behind the worker: emit.lua takes until the next load.
+            state.pool = None
         self._decoy[partition] = state
         if batch is not None or through >= 0:
             await self.replication.confirm(self.prefix(partition))
