@@ -26,13 +26,20 @@ _SLICE_BYTES, _PER_BLOCK = 6, 3
 _SCALE = float(2 ** (8 * _SLICE_BYTES))
 
 
-def shuffle_uniforms(seed: str, count: int) -> np.ndarray:
-    """A take's first `count` uniforms in [0, 1): block k = SHA-1 of "seed:k" for
-    k = 1, 2, ..., cut into three 48-bit big-endian slices, as emit.lua reads them from
-    the hex digest. Exact: a 48-bit integer over 2⁴⁸ is a double, as in Lua."""
+def shuffle_digests(seed: str, count: int) -> bytes:
+    """The SHA-1 blocks a take of `count` records draws from: SHA-1 of "seed:k" for
+    k = 1, 2, ..., one block per three records, concatenated (uniforms.lua's blocks)."""
     key = seed.encode()
     blocks = (count + _PER_BLOCK - 1) // _PER_BLOCK
-    digests = b"".join([hashlib.sha1(b"%b:%d" % (key, k)).digest() for k in range(1, blocks + 1)])
+    return b"".join([hashlib.sha1(b"%b:%d" % (key, k)).digest() for k in range(1, blocks + 1)])
+
+
+def shuffle_uniforms(seed: str, count: int) -> np.ndarray:
+    """A take's first `count` uniforms in [0, 1): its blocks (`shuffle_digests`), each cut
+    into three 48-bit big-endian slices, as emit.lua reads them from the hex digest.
+    Exact: a 48-bit integer over 2⁴⁸ is a double, as in Lua."""
+    digests = shuffle_digests(seed, count)
+    blocks = len(digests) // 20
     slices = np.frombuffer(digests, np.uint8).reshape(blocks, 20)[:, : _PER_BLOCK * _SLICE_BYTES]
     words = np.zeros((blocks * _PER_BLOCK, 8), np.uint8)
     words[:, 8 - _SLICE_BYTES :] = slices.reshape(-1, _SLICE_BYTES)
@@ -92,4 +99,4 @@ class MixingPool:
         return Take(taken, [(j, pool[j - 1]) for j in moved], size)
 
 
-__all__ = ["MixingPool", "Take", "shuffle_uniforms"]
+__all__ = ["MixingPool", "Take", "shuffle_digests", "shuffle_uniforms"]

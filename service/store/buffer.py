@@ -39,7 +39,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass
-from hashlib import sha1, shake_128
+from hashlib import shake_128
 from importlib import resources
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -53,7 +53,7 @@ from service.core.decoy_cuts import Arrivals, DecoyPartition, DecoyStep, Waiting
 from service.core.guarantees import budget_level, trial_limit
 from service.core.ingest import PreparedBatch
 from service.core.prf import ServiceKey
-from service.core.takes import MixingPool
+from service.core.takes import MixingPool, shuffle_digests
 from service.core.wire import truth_cells_and_arrivals
 from service.store.packing import packing_with_hiredis
 
@@ -249,10 +249,9 @@ def lua_script(*names: str) -> str:
 def shuffle_blocks(seed: str, count: int) -> str:
     """What emit.lua hashes for the shuffle of a take of `count` records, hashed here
     instead: Redis is the pipeline's busiest process, and hashing would be most of its
-    work in a take. SHA-1(seed:k) for k = 1..ceil(count / 3) (three uniforms a block),
-    concatenated; emit.lua hashes whatever more it needs."""
-    key = seed.encode()
-    return "".join(sha1(b"%b:%d" % (key, k)).hexdigest() for k in range(1, (count + 2) // 3 + 1))
+    work in a take. The take's blocks (`shuffle_digests`) as hex; emit.lua hashes
+    whatever more it needs."""
+    return shuffle_digests(seed, max(count, 0)).hex()
 
 
 def take_tokens(seed: str, count: int) -> list[str]:
