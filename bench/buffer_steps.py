@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import csv
 import gc
+import inspect
 import os
 import secrets
 import sys
@@ -85,6 +86,9 @@ async def measure(args: argparse.Namespace) -> dict[str, tuple[float, float, flo
         # The worker's own client: its encoder is part of the worker's cost.
         client = connect(config)
         buffer, lifecycle = StreamBuffer(client, config, key), Lifecycle(client, config)
+        # A checkout before the screen was told what its buffers handled screens without it.
+        screens_handled = "handled" in inspect.signature(lifecycle.screen).parameters
+        handled: dict[int, int] = {}
         wall = dict.fromkeys(STEPS, 0.0)
         worker_cpu = dict.fromkeys(STEPS, 0.0)
         server_cpu = dict.fromkeys(STEPS, 0.0)
@@ -114,10 +118,14 @@ async def measure(args: argparse.Namespace) -> dict[str, tuple[float, float, flo
             with timed("gate"):
                 await lifecycle.gate(highest)
             with timed("screen"):
-                await lifecycle.screen(batches)
+                if screens_handled:
+                    await lifecycle.screen(batches, handled)
+                else:
+                    await lifecycle.screen(batches)
             for batch in batches:
                 with timed("ingest"):
                     await buffer.ingest(batch.partition, batch, now, highest[batch.partition])
+                handled[batch.partition] = highest[batch.partition]
                 with timed("take"):
                     items = await buffer.take(batch.partition, now, TAKE_LIMIT)
                 # An earlier buffer acknowledges tokens, this one takes.

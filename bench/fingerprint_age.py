@@ -2,13 +2,13 @@
 as it ages: this checkout's set and the one at --base, side by side in one run.
 
 Each version fills its own set on an embedded Redis-protocol server
-(``deploy.embedded.RedisServer``, ``appendfsync always``) with random 18-byte entries, as the
-identity screen stores them, in calls of --fill records. At each age of --ages it adds
---probe members more in calls of 500 (a fetch's share of one shard) and reports, per member
-added: the server's CPU (utime + stime from ``/proc/<pid>/stat``), the bytes its writes
-rewrite (each changed bucket's field and value, which the append-only file and replicas
-receive whole), and the server's memory per member stored (``used_memory`` over the
-members).
+(``deploy.embedded.RedisServer``, ``appendfsync always``) with random entries of --entry
+bytes (10 by default, as the identity screen stores them), in calls of --fill records. At
+each age of --ages it adds --probe members more in calls of 500 (a fetch's share of one
+shard) and reports, per member added: the server's CPU (utime + stime from
+``/proc/<pid>/stat``), the bytes its writes rewrite (each changed bucket's field and
+value, which the append-only file and replicas receive whole), and the server's memory
+per member stored (``used_memory`` over the members).
 """
 
 from __future__ import annotations
@@ -27,11 +27,10 @@ from service.store.buffer import lua_script
 
 ROOT = Path(__file__).resolve().parents[1]
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-ENTRY = 18  # key (6 bytes) and what the identity screen keeps (12)
 STORE = """
-local set = Fingerprints.new(KEYS[1], 18)
-set:load_args(1, #ARGV, 1, 1)
-for i = 1, #ARGV do
+local set = Fingerprints.new(KEYS[1], tonumber(ARGV[1]))
+set:load_args(2, #ARGV, 1, 1)
+for i = 2, #ARGV do
   local bucket, key = string.sub(ARGV[i], 1, 2), string.sub(ARGV[i], 3, 8)
   if not set:find(bucket, key) then set:add(bucket, string.sub(ARGV[i], 3)) end
 end
@@ -55,14 +54,14 @@ def base_script(revision: str) -> str:
     ).stdout  # fmt: skip
 
 
-def add(client: redis.Redis, script, key: str, count: int, per_call: int) -> int:
-    """Add `count` random members; returns the bytes the calls rewrote."""
+def add(client: redis.Redis, script, key: str, count: int, per_call: int, entry: int) -> int:
+    """Add `count` random members of `entry` bytes; returns the bytes the calls rewrote."""
     written = 0
     for start in range(0, count, per_call):
         n = min(per_call, count - start)
-        blob = os.urandom(n * (2 + ENTRY))
-        members = [blob[i : i + 2 + ENTRY] for i in range(0, len(blob), 2 + ENTRY)]
-        written += script(keys=[key], args=members)
+        blob = os.urandom(n * (2 + entry))
+        members = [blob[i : i + 2 + entry] for i in range(0, len(blob), 2 + entry)]
+        written += script(keys=[key], args=[entry, *members])
     return written
 
 
@@ -75,6 +74,11 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--probe", type=int, default=20_000, help="members added per probe")
     parser.add_argument("--fill", type=int, default=5_000, help="members per filling call")
+    parser.add_argument(
+        "--entry", type=int, default=10,
+        help="bytes per entry: the key (6) and what the set keeps with it (default 10, as the "
+        "identity screen and a personal stream's grouped partitions keep)",
+    )  # fmt: skip
     args = parser.parse_args()
     ages = [int(age) for age in args.ages.split(",")]
     versions = {args.base: base_script(args.base), "this checkout": lua_script("fingerprints")}
@@ -89,10 +93,10 @@ def main() -> None:
             key = f"splu:{{age:{len(rows)}}}:seen"
             stored = 0
             for age in ages:
-                add(client, script, key, age - stored, args.fill)
+                add(client, script, key, age - stored, args.fill, args.entry)
                 stored = age
                 cpu, started = cpu_seconds(server.pid), time.perf_counter()
-                grown = add(client, script, key, args.probe, 500)
+                grown = add(client, script, key, args.probe, 500, args.entry)
                 cpu = cpu_seconds(server.pid) - cpu
                 stored += args.probe
                 memory = client.info("memory")["used_memory"] / stored

@@ -77,16 +77,17 @@ def entries(rng: random.Random, count: int) -> list[bytes]:
 
 
 class Screen:
-    """identity.lua's arguments: fresh random fingerprints read from raw partition 0."""
+    """identity.lua's arguments: fresh random fingerprints read from raw partition 0, and,
+    for a script told what its buffers handled (`told_handled`), the call before stored."""
 
-    def __init__(self, rng: random.Random) -> None:
-        self.rng, self.offset = rng, 0
+    def __init__(self, rng: random.Random, told_handled: bool) -> None:
+        self.rng, self.offset, self.told_handled = rng, 0, told_handled
 
     def args(self, count: int) -> list[bytes | int]:
-        where = range(self.offset, self.offset + count)
+        handled, where = self.offset - 1, range(self.offset, self.offset + count)
         self.offset += count
         packed = b"".join(self.rng.randbytes(12) + b"\0\0" + o.to_bytes(6, "big") for o in where)
-        return [packed, b"\0\0", self.offset - 1]
+        return [packed, b"\0\0", self.offset - 1, *([handled] if self.told_handled else [])]
 
 
 async def measure(args: argparse.Namespace) -> dict[str, dict[str, list[tuple[float, ...]]]]:
@@ -99,12 +100,15 @@ async def measure(args: argparse.Namespace) -> dict[str, dict[str, list[tuple[fl
             side: client.register_script(script_source(rev, ["acknowledge"]))
             for side, rev in sides.items()
         }
-        screen = {
-            side: client.register_script(script_source(rev, ["fingerprints", "identity"]))
-            for side, rev in sides.items()
+        sources = {
+            side: script_source(rev, ["fingerprints", "identity"]) for side, rev in sides.items()
         }
+        screen = {side: client.register_script(source) for side, source in sources.items()}
         rng = random.Random(0)
-        fingerprints = {side: Screen(random.Random(side)) for side in sides}
+        fingerprints = {
+            side: Screen(random.Random(side), ":handled" in source)
+            for side, source in sources.items()
+        }
         for side in sides:
             for _ in range(args.members // args.take):
                 await screen[side](keys=[f"s{side}"], args=fingerprints[side].args(args.take))

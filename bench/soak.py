@@ -41,6 +41,10 @@ each a child process.
   and per record produced, with its standard error.
 - **CPU**: each process's user + system time over the steady phase (/proc/<pid>/stat),
   as a share of a core and per record produced: which process limits the rate.
+- **Redis by key**: ``MEMORY USAGE`` of every key of the stream, summed by what holds it
+  (a buffer partition, an identity shard, a consumer shard, the final pool, the stream)
+  and the key's name, read when the steady phase starts and when production ends: which
+  keys Redis's growth per record produced goes to.
 - **backlogs**: produced − ingested (the worker's, in Kafka) and published − counted
   (the consumer's), fit like memory; a backlog growing over the steady phase by more
   than 1% of the records produced (KEEP_UP) or one batch, whichever is more, means
@@ -70,8 +74,8 @@ docs/performance.md (*Soak*). Fetches are small at this rate, so per-fetch costs
 more than in the throughput benchmark. The backlog table says whether the machine kept up
 (a machine busy with other work may not: lower --rate). Redis used_memory grows by design
 in an unwindowed run: every record id and published token keeps its fingerprint for the
-life of the stream (about 18 B per record here, both together), so the verdict reports
-it; the worker's and the consumer's memory must stay flat.
+life of the stream (docs/performance.md, *Soak*, has the bytes per record), so the
+verdict reports it; the worker's and the consumer's memory must stay flat.
 
 Run from the repository root:
 
@@ -328,6 +332,8 @@ class Soak:
         self.server_pids = server_pids
         self.work = work
         self.samples: list[Sample] = []
+        # (records produced, MEMORY USAGE by key family) at the steady phase's start and end
+        self.key_usages: list[tuple[int, dict[str, int]]] = []
         self.started = self.ended = self.drained = 0.0  # wall times
         self.last_line = 0.0  # monotonic time of the last interval line
 
@@ -337,6 +343,14 @@ class Soak:
                 raise SystemExit(
                     f"\nthe {name} exited; end of its log:\n{log_tail(self.work / f'{name}.log')}"
                 )
+
+    async def key_usage(self, client: aioredis.Redis, feed: Feed) -> None:
+        """Record MEMORY USAGE by key family (`key_family`) with the records produced."""
+        usage: dict[str, int] = {}
+        async for key in client.scan_iter(match=f"splu:{{{self.config.name}*", count=1000):
+            family = key_family(key)
+            usage[family] = usage.get(family, 0) + (await client.memory_usage(key, samples=0) or 0)
+        self.key_usages.append((feed.taken, usage))
 
     async def sample(self, state: BufferState, counts: RunningCounts, feed: Feed) -> Sample:
         totals = await state.totals()
@@ -378,6 +392,7 @@ class Soak:
             )
             ticks = 0
             next_line = self.started + self.args.interval
+            steady = self.started + feed.total / self.args.rate / 2
             try:
                 while not producing.done():
                     ticks += 1
@@ -387,6 +402,8 @@ class Soak:
                     if producing.done():
                         break
                     self.samples.append(await self.sample(state, counts, feed))
+                    if not self.key_usages and time.time() >= steady:
+                        await self.key_usage(client, feed)
                     if time.time() >= next_line:
                         previous = await self.line(previous, feed)
                         next_line += self.args.interval
@@ -395,6 +412,7 @@ class Soak:
                 producing.cancel()
             self.ended = time.time()
             self.samples.append(await self.sample(state, counts, feed))
+            await self.key_usage(client, feed)
             if time.monotonic() - self.last_line >= SAMPLE_EVERY:
                 previous = await self.line(previous, feed)
             log(f"produced {feed.total:,} records in {self.ended - self.started:,.0f} s; draining")
@@ -443,6 +461,22 @@ class Soak:
             await asyncio.sleep(0.5)
         log(f"the stream made no progress for {stall:.0f} s")
         return False
+
+
+def key_family(key: bytes) -> str:
+    """What holds a key of the stream, and the key's name: "partition :rec" for
+    ``splu:{<stream>:<p>}:rec``, "identity shard :known", "consumer shard :seen", "final
+    pool :takes", "stream :close"; the name without its period or depth suffixes."""
+    tag, _, name = key.decode().partition("}:")
+    within = tag.split(":")[2:]  # past "splu:{<stream>"
+    holder = (
+        "stream" if not within
+        else "identity shard" if within[0] == "ids"
+        else "consumer shard" if within[0] == "consumer"
+        else "final pool" if within[0] == "final"
+        else "partition"
+    )  # fmt: skip
+    return f"{holder} :{name.split(':')[0]}"
 
 
 def steady_bins(
@@ -612,6 +646,22 @@ def summary(
          "flat"],
         [trend_row(t) for t in shown],
     )  # fmt: skip
+    if len(soak.key_usages) == 2:
+        (start, before), (end, after) = soak.key_usages
+        grown = {f: after.get(f, 0) - before.get(f, 0) for f in {*before, *after}}
+        print(
+            f"\nRedis by key over the steady phase: MEMORY USAGE summed by key family when it "
+            f"started and when production ended ({end - start:,} records produced between)"
+        )
+        print_table(
+            ["key family", "at start", "at end", "per record produced"],
+            [
+                [f, f"{before.get(f, 0) / MB:.1f} MB", f"{after.get(f, 0) / MB:.1f} MB",
+                 f"{grown[f] / (end - start):+.1f} B"]
+                for f in sorted(grown, key=lambda f: -abs(grown[f]))
+                if abs(grown[f]) >= (end - start) / 100
+            ],
+        )  # fmt: skip
     judged = [t for t in shown if t.judged]
     flat = len(judged) == 3 and all(t.flat for t in judged)
     numbers = "; ".join(f"{t.name} {100 * t.relative:+.2f}%/min" for t in judged)

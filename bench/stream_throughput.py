@@ -757,6 +757,7 @@ async def buffer_memory(
         for partition in range(config.partitions):
             await buffer.ingest(partition, None, now_ms())
         before = await TrustedState(client, config).memory()
+        handled: dict[int, int] = {}
         for start in range(0, count, config.batch_size):
             raw = [
                 RawMessage(i % config.partitions, i // config.partitions, k, v)
@@ -766,10 +767,11 @@ async def buffer_memory(
             if rejected:
                 raise SystemExit(f"rejected: {rejected[0].rejection}")
             # As the worker admits them: the identity screen keeps their fingerprints.
-            if any(any(statuses) for statuses in await lifecycle.screen(batches)):
+            if any(any(statuses) for statuses in await lifecycle.screen(batches, handled)):
                 raise SystemExit("the identity screen took a resampled record for a re-send")
             for batch in batches:
                 await buffer.ingest(batch.partition, batch, now_ms())
+                handled[batch.partition] = batch.messages[-1].offset
         after = await TrustedState(client, config).memory()
         counts = await buffer.totals()
         if counts["pending"] != count or counts["pool"] != 0:

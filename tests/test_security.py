@@ -61,11 +61,12 @@ TIMEOUT = 120.0
 # What may remain of a partition once everything is published: counters, aggregates,
 # gauges, the keyed fingerprints, the offset watermark, the owner fence's generation, the
 # gate's offsets and the adversary test's tallies; of an identity shard, its keyed
-# fingerprints, the offsets it screened to and its counters.
+# fingerprints, where the last first copies were read (keyed fingerprints and offsets),
+# the offsets it screened and knows handled, and its counters.
 LEFT_BEHIND = {
     "stats", "waiting", "delay", "sup", "off", "seen", "truth", "shown", "close", "owner",
 }  # fmt: skip
-SHARD_LEFT_BEHIND = {"seen", "screened", "stats"}
+SHARD_LEFT_BEHIND = {"known", "unsettled", "handled", "screened", "stats"}
 EXPIRING = {"truth", "shown"}
 READ_RECORDS = "return redis.call('HGETALL', KEYS[1])"  # a script runs under its caller's ACL
 
@@ -254,9 +255,9 @@ def test_least_privilege_no_raw_values_in_logs_or_left_in_redis(servers, tmp_pat
             async for key in admin.scan_iter(match=f"{prefix}:*"):
                 kind = key.decode()[len(prefix) + 1 :]
                 assert kind in SHARD_LEFT_BEHIND, kind
-                if kind == "seen":
+                if kind == "known":
                     for entries in (await admin.hgetall(key)).values():
-                        digests += [entries[i + 6 : i + 10] for i in range(0, len(entries), 18)]
+                        digests += [entries[i + 6 : i + 10] for i in range(0, len(entries), 10)]
         await admin.aclose()
         return kinds, digests, expiries
 

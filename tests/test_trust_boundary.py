@@ -56,7 +56,7 @@ READABLE = {"stats", "waiting", "delay", "close", "audit", "paused"}
 # Keys that hold a true value, by the part after the hash tag.
 TRUE_VALUES = {
     "rec", "t", "b", "n", "grp", "hole", "holes", "open", "g", "gq", "gstat", "pool",
-    "takes", "handoff", "truth", "sup", "seen", "screened",
+    "takes", "handoff", "truth", "sup", "seen", "known", "unsettled", "handled", "screened",
 }  # fmt: skip
 READ = {
     b"string": ("GET",),
@@ -162,7 +162,7 @@ def assert_the_boundary_holds(observed: Observed, config) -> None:  # type: igno
     # The keys it was refused hold true values, and there were such keys to refuse.
     refused = observed.during[1] | observed.after[1]
     personal = config.personal is not None
-    assert {"truth", "seen", "pool"} | ({"gstat", "g"} if personal else set()) <= refused
+    assert {"truth", "known", "pool"} | ({"gstat", "g"} if personal else set()) <= refused
     assert "pool" in observed.during[1]  # probed mid-stream
     assert observed.logs["slowlog-log-slower-than"] == "-1"
     assert all(observed.logs[n] == "-1" for n in COMMAND_LOG_THRESHOLDS if n in observed.logs)

@@ -264,7 +264,7 @@ def test_lua_steps_window_stage_and_finish(servers):
         lifecycle = Lifecycle(client, config)
         try:
             stored = batch(list(enumerate(rows[:6])))
-            assert await lifecycle.screen([stored]) == [[0] * 6]
+            assert await lifecycle.screen([stored], {}) == [[0] * 6]
             first = await buffer.ingest(0, stored, 1000)
             # No mixing pool: the window's records wait buffered until it is published.
             assert first.statuses == [0] * 6 and (first.pending, first.pool) == (6, 0)
@@ -274,7 +274,7 @@ def test_lua_steps_window_stage_and_finish(servers):
             again = await buffer.ingest(0, batch(list(enumerate(rows[:6]))), 1100)
             assert again.statuses == [1] * 6 and again.pending == 6
             reused = batch([(6, (rows[0][0], rows[7][1]))])
-            assert await lifecycle.screen([reused]) == [[2]]
+            assert await lifecycle.screen([reused], {0: 5}) == [[2]]
             # A tick before max_window_wait closes nothing; after it, the partial window.
             await buffer.ingest(0, None, 10_999)
             assert (await buffer.stats(0))["waiting"] == 1

@@ -10,7 +10,9 @@ Every fetch of raw records passes two steps before a buffer stores anything:
   a response's identity is the stream's, not a partition's. The first copy of an id owns
   it; another copy with the same content, on any partition, is a re-send and is skipped,
   a copy with other content is rejected, and the first copy read again (a replay) goes on
-  to its buffer, which knows by its offset whether it stored it (``ingest.lua``).
+  to its buffer, which knows by its offset whether it stored it (``ingest.lua``). The
+  worker tells the screen how far each raw partition's buffer has handled its offsets, so
+  that the screen forgets where a first copy was read once that no longer matters.
 
 A survey ends with a close (`request_close`, then every raw partition's close offset,
 `close_partition`). Each buffer partition is finalized by its own ingest step once every
@@ -42,6 +44,9 @@ from service.store.buffer import FINAL_POOL, BufferState, lua_script
 HANDOFF_CHUNK = 2000
 # The close states a finalized partition goes through (`:close` state, ingest.lua).
 RELEASING, HANDOFF, DONE = "releasing", "handoff", "done"
+# An identity shard's keys that screen arriving records (identity.lua), expired once the
+# stream's close is complete: the gate refuses late records without them.
+SCREEN_KEYS = ("known", "unsettled", "handled")
 
 
 class Lifecycle(BufferState):
@@ -52,6 +57,7 @@ class Lifecycle(BufferState):
         self._close = client.register_script(lua_script("close"))
         self._identity = client.register_script(lua_script("fingerprints", "identity"))
         self._receive = client.register_script(lua_script("pool", "receive"))
+        self._layout_checked: set[int] = set()
 
     async def gate(self, highest: Mapping[int, int]) -> dict[int, int | None]:
         """For each raw partition of a fetch and its highest offset there: the partition's
@@ -62,9 +68,15 @@ class Lifecycle(BufferState):
         )
         return {p: None if int(o) < 0 else int(o) for p, o in zip(partitions, offsets, strict=True)}
 
-    async def screen(self, batches: list[PreparedBatch]) -> list[list[int]]:
+    async def screen(
+        self, batches: list[PreparedBatch], handled: Mapping[int, int]
+    ) -> list[list[int]]:
         """Per batch, per record: 0 to store (a first copy, read for the first time or
-        again), 1 a re-send (skipped), 2 an id reused with other content (rejected)."""
+        again, or any copy read again at an offset its buffer handled), 1 a re-send
+        (skipped), 2 an id reused with other content (rejected).
+
+        `handled`: per raw partition, an offset up to which its buffer has handled every
+        offset (stored or not), as this worker knows it; never more than the buffer has."""
         statuses = [[0] * len(batch) for batch in batches]
         if not any(statuses):
             return statuses
@@ -89,8 +101,10 @@ class Lifecycle(BufferState):
             rows = np.flatnonzero(shard == s)
             args: list[bytes | int] = [packed[rows].tobytes()]
             for p in np.unique(partition[rows]).tolist():
-                args += [int(p).to_bytes(2, "big"), int(offset[rows][partition[rows] == p].max())]
+                highest = int(offset[rows][partition[rows] == p].max())
+                args += [int(p).to_bytes(2, "big"), highest, handled.get(p, -1)]
             calls.append((s, rows, args))
+        await self._check_layout([s for s, _, _ in calls])
         found = await asyncio.gather(
             *(self._identity(keys=[self.shard_prefix(s)], args=args) for s, _, args in calls)
         )
@@ -100,6 +114,20 @@ class Lifecycle(BufferState):
                 statuses[batch_index[row]][record_index[row]] = int(result[k + 1])
             await self.replication.confirm(self.shard_prefix(shard_number))
         return statuses
+
+    async def _check_layout(self, shards: list[int]) -> None:
+        """Stop at a shard an earlier version screened: it kept every id with where its
+        first copy was read, in `:seen`, which this version neither reads nor writes."""
+        for shard in shards:
+            if shard in self._layout_checked:
+                continue
+            if await self.client.exists(f"{self.shard_prefix(shard)}:seen"):
+                raise RuntimeError(
+                    f"{self.shard_prefix(shard)} holds an identity screen of an earlier "
+                    "version: drain the stream with that version before upgrading "
+                    "(docs/operations.md, Migrating from earlier versions)"
+                )
+            self._layout_checked.add(shard)
 
     async def mark_forwarded(self, highest: Mapping[int, int]) -> None:
         """A personal stream's first hop forwarded every record of these raw partitions up
@@ -186,7 +214,8 @@ class Lifecycle(BufferState):
                 return False
         if retention_ms > 0:
             for shard in range(self.config.partitions):
-                await self.client.pexpire(f"{self.shard_prefix(shard)}:seen", retention_ms)
+                for part in SCREEN_KEYS:
+                    await self.client.pexpire(f"{self.shard_prefix(shard)}:{part}", retention_ms)
         await self.client.hsetnx(self.close_key, "completed", now_ms)
         return True
 

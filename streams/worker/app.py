@@ -278,6 +278,9 @@ class Intake:
         self.config, self.preparer, self.buffer = config, preparer, buffer
         self.lifecycle, self.publisher = lifecycle, publisher
         self.forward = forward
+        # Per raw partition, the highest offset this worker stored or forwarded a fetch
+        # through: the identity screen forgets first reads up to it (`Lifecycle.screen`).
+        self.handled: dict[int, int] = {}
 
     def prepare(self, messages: Sequence[Message]) -> RawFetch:
         """Validate a fetch of raw messages (CPU only: the worker prepares the next fetch
@@ -294,14 +297,18 @@ class Intake:
         Fetches are taken in one after another, in the order of their offsets."""
         admitted, rejected, highest = fetch
         if self.forward is None:
-            return await self.store(admitted, rejected, highest, now)
-        if highest:
-            grouped = [m for batch in admitted for m in self.buffer.grouped_messages(batch)]
-            # A retry may send some twice: the second hop stores each record once.
-            await retrying("forwarding records", self.forward, grouped)
-            await retrying("marking records forwarded", self.lifecycle.mark_forwarded, highest)
-        await self.send_rejections(rejected)
-        return []
+            held = await self.store(admitted, rejected, highest, now)
+        else:
+            held = []
+            if highest:
+                grouped = [m for batch in admitted for m in self.buffer.grouped_messages(batch)]
+                # A retry may send some twice: the second hop stores each record once.
+                await retrying("forwarding records", self.forward, grouped)
+                await retrying("marking records forwarded", self.lifecycle.mark_forwarded, highest)
+            await self.send_rejections(rejected)
+        for partition, offset in highest.items():
+            self.handled[partition] = max(offset, self.handled.get(partition, -1))
+        return held
 
     async def admit(self, fetch: RawFetch) -> RawFetch:
         """The records of a prepared fetch the stream takes in: before the close offset of
@@ -326,7 +333,7 @@ class Intake:
                     batch = batch.subset(keep)
             if len(batch):
                 gated.append(batch)
-        screened = await retrying("screening a fetch", self.lifecycle.screen, gated)
+        screened = await retrying("screening a fetch", self.lifecycle.screen, gated, self.handled)
         admitted = []
         for batch, statuses in zip(gated, screened, strict=True):
             rejected += [

@@ -3,71 +3,126 @@
 -- its fingerprint's bucket modulo the shard count, so every copy of a response meets its
 -- first copy here, whichever client sent it to whichever raw partition, at any age.
 --
--- The first copy seen owns the id: its raw partition and offset are kept with the
--- fingerprint. The first copy itself, read again (a replay after a crash, a rebalance),
--- is passed on, and its partition's buffer knows by its offset whether it stored it
--- (ingest.lua). Any other copy of the same content is a re-send: skipped here. A copy with
--- other content is an id reused: rejected. Marking happens before the owner stores the
--- record, so a crash in between loses nothing: the replay is passed on again.
+-- The first copy seen owns the id. The first copy itself, read again (a replay after a
+-- crash, a rebalance), is passed on, and its partition's buffer knows by its offset whether
+-- it stored it (ingest.lua). Any other copy of the same content is a re-send: skipped here.
+-- A copy with other content is an id reused: rejected. Marking happens before the owner
+-- stores the record, so a crash in between loses nothing: the replay is passed on again.
+--
+-- Telling the first copy from a re-send needs where the first copy was read only until its
+-- raw partition has handled that offset: from then on every copy read at a handled offset
+-- is a replay, which its buffer recognises by the offset whichever copy it is, and a copy
+-- read past the partition's handled offset cannot be the first. So an id keeps its key and
+-- content digest for life (10 bytes), and where its first copy was read only while that
+-- offset is unhandled.
 --
 -- KEYS[1]  the shard's prefix, "splu:{<stream>:ids:<shard>}".
 -- ARGV[1]  the records, 20 bytes each, concatenated: fingerprint (12 bytes: 2-byte bucket,
 --          6-byte key, 4-byte content digest; service/core/ingest.py), then where it was read:
 --          raw partition (2 bytes) and offset (6 bytes), big-endian. One argument, for the
 --          worker to build and Redis to read at once.
--- ARGV     then, per raw partition of the records: the partition (2 bytes) and the highest
---          offset among its records here (decimal).
+-- ARGV     then, per raw partition of the records: the partition (2 bytes), the highest
+--          offset among its records here, and the highest offset its buffer is known to have
+--          handled, stored or not (-1 if none; decimal). A handled offset is a lower bound:
+--          one told too low only keeps first reads longer, but one told too high would let a
+--          re-send through as a replay its buffer does not know.
 -- Returns  position and status of each record not passed on: 1 a re-send of an earlier
 --          copy, 2 id reused with other content.
 --
--- Keys: :seen (a Fingerprints set of 18-byte entries: key, digest, where the first copy
--- was read); :screened raw partition (2 bytes) -> highest offset screened, so a re-send
--- or a conflict is counted once, not again when its fetch is replayed; :stats
+-- Keys: :known (a Fingerprints set of 10-byte entries: key, digest); :unsettled raw
+-- partition (2 bytes) -> the first copies read there at offsets not yet handled, each as
+-- its 20 bytes of ARGV[1], in the order screened; :handled raw partition ->
+-- highest offset handled; :screened raw partition -> highest offset screened, so a
+-- re-send or a conflict is counted once, not again when its fetch is replayed; :stats
 -- redelivered, conflicts.
 
 local base = KEYS[1]
 local packed = ARGV[1]
 local count = #packed / 20
-local seen = Fingerprints.new(base .. ':seen', 18)
-local buckets = seen:load_packed(packed, 20)
-local k_screened = base .. ':screened'
-local watermarks = {}
-for j = 2, #ARGV, 2 do
-  local owner = ARGV[j]
-  local watermark = tonumber(redis.call('HGET', k_screened, owner) or '-1')
-  watermarks[owner] = watermark
-  if tonumber(ARGV[j + 1]) > watermark then redis.call('HSET', k_screened, owner, ARGV[j + 1]) end
+local known = Fingerprints.new(base .. ':known', 10)
+local buckets = known:load_packed(packed, 20)
+local k_screened, k_handled = base .. ':screened', base .. ':handled'
+local k_unsettled = base .. ':unsettled'
+
+local function offset_at(bytes, at)
+  local b1, b2, b3, b4, b5, b6 = string.byte(bytes, at, at + 5)
+  return ((((b1 * 256 + b2) * 256 + b3) * 256 + b4) * 256 + b5) * 256 + b6
 end
 
--- Whether a skipped record was read past its partition's watermark: counted the first
--- time only. Only skipped records need their offset.
-local function first_time(read_at)
-  local b1, b2, b3, b4, b5, b6 = string.byte(read_at, 3, 8)
-  local offset = ((((b1 * 256 + b2) * 256 + b3) * 256 + b4) * 256 + b5) * 256 + b6
-  return offset > watermarks[string.sub(read_at, 1, 2)]
+-- Per raw partition of the call: the watermarks, and its first reads still unhandled,
+-- those now handled cut from the front (entries behind a later offset wait their turn).
+local screened, handled, unsettled, added = {}, {}, {}, {}
+for j = 2, #ARGV, 3 do
+  local partition = ARGV[j]
+  local watermark = tonumber(redis.call('HGET', k_screened, partition) or '-1')
+  screened[partition] = watermark
+  if tonumber(ARGV[j + 1]) > watermark then redis.call('HSET', k_screened, partition, ARGV[j + 1]) end
+  local through = tonumber(redis.call('HGET', k_handled, partition) or '-1')
+  if tonumber(ARGV[j + 2]) > through then
+    through = tonumber(ARGV[j + 2])
+    redis.call('HSET', k_handled, partition, through)
+  end
+  handled[partition] = through
+  local entries = redis.call('HGET', k_unsettled, partition) or ''
+  local cut = 0
+  while cut < #entries and offset_at(entries, cut + 15) <= through do cut = cut + 20 end
+  unsettled[partition] = {kept = string.sub(entries, cut + 1), changed = cut > 0}
+  added[partition] = {}
+end
+
+-- Where each unsettled first copy was read (partition and offset, 8 bytes), by bucket and
+-- key: read once, only when a call meets a copy past its partition's handled offset. The
+-- first copies this call adds are not needed there: any other copy in the call is not one.
+local first_reads
+local function first_read_of(member)
+  if first_reads == nil then
+    first_reads = {}
+    local stored = redis.call('HGETALL', k_unsettled)
+    for i = 2, #stored, 2 do
+      local entries = stored[i]
+      for at = 1, #entries, 20 do
+        first_reads[string.sub(entries, at, at + 7)] = string.sub(entries, at + 12, at + 19)
+      end
+    end
+  end
+  return first_reads[member]
 end
 
 local redelivered, conflicts, found = 0, 0, {}
 for r = 1, count do
   local at = 20 * r - 19
   local bucket, key = buckets[r], string.sub(packed, at + 2, at + 7)
-  local known = seen:find(bucket, key)
-  if not known then
-    seen:add(bucket, string.sub(packed, at + 2, at + 19))
+  local digest = known:find(bucket, key)
+  local partition = string.sub(packed, at + 12, at + 13)
+  if not digest then
+    known:add(bucket, string.sub(packed, at + 2, at + 11))
+    local entries = added[partition]
+    entries[#entries + 1] = string.sub(packed, at, at + 19)
   else
-    local digest, read_at = string.sub(packed, at + 8, at + 11), string.sub(packed, at + 12, at + 19)
-    if string.sub(known, 1, 4) ~= digest then
+    local offset = offset_at(packed, at + 14)
+    if digest ~= string.sub(packed, at + 8, at + 11) then
       found[#found + 1] = r
       found[#found + 1] = 2
-      if first_time(read_at) then conflicts = conflicts + 1 end
-    elseif string.sub(known, 5, 12) ~= read_at then
+      if offset > screened[partition] then conflicts = conflicts + 1 end
+    elseif offset > handled[partition]
+        and first_read_of(string.sub(packed, at, at + 7)) ~= string.sub(packed, at + 12, at + 19) then
       found[#found + 1] = r
       found[#found + 1] = 1
-      if first_time(read_at) then redelivered = redelivered + 1 end
+      if offset > screened[partition] then redelivered = redelivered + 1 end
     end
   end
 end
-seen:store()
+known:store()
+for partition, entries in pairs(added) do
+  local kept = unsettled[partition].kept .. table.concat(entries)
+  if #entries > 0 or unsettled[partition].changed then
+    if kept == '' then
+      redis.call('HDEL', k_unsettled, partition)
+    else
+      redis.call('HSET', k_unsettled, partition, kept)
+    end
+  end
+end
 redis.call('HINCRBY', base .. ':stats', 'redelivered', redelivered)
 redis.call('HINCRBY', base .. ':stats', 'conflicts', conflicts)
 return found
