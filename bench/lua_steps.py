@@ -5,8 +5,9 @@ revision's, side by side on one embedded server.
   worker's ``acknowledgement`` arguments; entries with seeded random codes, nearly one
   truth cell each), --calls calls a round.
 - **screen**: ``identity.lua`` (with ``fingerprints.lua``) screening --take fresh random
-  fingerprints a call against a set first filled with --members members, --calls calls a
-  round.
+  fingerprints a call, read evenly from --partitions raw partitions, against a set first
+  filled with --members members, --calls calls a round; a side whose screen is told what
+  its buffers handled is told each partition's offsets up to the call before.
 
 Each round runs both sides, alternately, on keys of their own, on the embedded
 Redis-protocol server (``deploy.embedded.RedisServer``, ``appendfsync always``). Per side
@@ -77,17 +78,27 @@ def entries(rng: random.Random, count: int) -> list[bytes]:
 
 
 class Screen:
-    """identity.lua's arguments: fresh random fingerprints read from raw partition 0, and,
-    for a script told what its buffers handled (`told_handled`), the call before stored."""
+    """identity.lua's arguments: fresh random fingerprints read evenly from `partitions` raw
+    partitions, and, for a script told what its buffers handled (`told_handled`), each
+    partition's offsets up to the call before as handled."""
 
-    def __init__(self, rng: random.Random, told_handled: bool) -> None:
-        self.rng, self.offset, self.told_handled = rng, 0, told_handled
+    def __init__(self, rng: random.Random, partitions: int, told_handled: bool) -> None:
+        self.rng, self.told_handled = rng, told_handled
+        self.offsets = [0] * partitions
 
     def args(self, count: int) -> list[bytes | int]:
-        handled, where = self.offset - 1, range(self.offset, self.offset + count)
-        self.offset += count
-        packed = b"".join(self.rng.randbytes(12) + b"\0\0" + o.to_bytes(6, "big") for o in where)
-        return [packed, b"\0\0", self.offset - 1, *([handled] if self.told_handled else [])]
+        records: list[bytes] = []
+        partitions: list[bytes | int] = []
+        for partition, first in enumerate(self.offsets):
+            share = count // len(self.offsets)
+            raw = partition.to_bytes(2, "big")
+            records += [
+                self.rng.randbytes(12) + raw + o.to_bytes(6, "big")
+                for o in range(first, first + share)
+            ]
+            partitions += [raw, first + share - 1, *([first - 1] if self.told_handled else [])]
+            self.offsets[partition] = first + share
+        return [b"".join(records), *partitions]
 
 
 async def measure(args: argparse.Namespace) -> dict[str, dict[str, list[tuple[float, ...]]]]:
@@ -106,7 +117,7 @@ async def measure(args: argparse.Namespace) -> dict[str, dict[str, list[tuple[fl
         screen = {side: client.register_script(source) for side, source in sources.items()}
         rng = random.Random(0)
         fingerprints = {
-            side: Screen(random.Random(side), ":handled" in source)
+            side: Screen(random.Random(side), args.partitions, ":handled" in source)
             for side, source in sources.items()
         }
         for side in sides:
@@ -159,14 +170,21 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=100, help="calls per round (default 100)")
     parser.add_argument("--take", type=int, default=2_000, help="records a call (default 2000)")
     parser.add_argument(
+        "--partitions", type=int, default=1,
+        help="raw partitions a screening call's records come from (default 1)",
+    )  # fmt: skip
+    parser.add_argument(
         "--members", type=int, default=300_000, help="screen set's first members (300000)"
     )
     args = parser.parse_args()
     if min(args.rounds, args.calls, args.take) < 1 or args.members < 0:
         parser.error("--rounds, --calls and --take must be positive, --members not negative")
+    if not 1 <= args.partitions <= args.take:
+        parser.error("--partitions must be from 1 to --take")
     results = asyncio.run(measure(args))
     print(
-        f"{args.calls} calls of {args.take:,} records a round, {args.rounds} rounds; "
+        f"{args.calls} calls of {args.take:,} records a round ({args.partitions} raw "
+        f"partitions a screening call), {args.rounds} rounds; "
         f"base {args.base}, this {ROOT}"
     )
     header = "step        | side | Redis CPU µs/rec | script µs/rec | Lua outside commands µs/rec"

@@ -24,6 +24,8 @@ from collections import Counter
 
 import pytest
 import redis.asyncio as aioredis
+from aiokafka.consumer import fetcher as aiokafka_fetcher
+from aiokafka.record.default_records import DefaultRecordBatch, DefaultRecordBatchBuilder
 from confluent_kafka import Producer
 from harness import Harness, adult_rows
 from test_consumer import wait_for
@@ -32,6 +34,7 @@ from deploy.embedded import free_port
 from service.store.buffer import BufferState
 from service.store.running_counts import RunningCounts
 from streams.cli import main
+from streams.runtime.bulk import GuardedRecords, undecodable_reason
 from streams.runtime.topics import create_topics
 from streams.tools.produce import produce
 from streams.worker.closing import request_close
@@ -168,3 +171,20 @@ def test_a_batch_the_worker_cannot_decode_holds_its_partition_until_skipped(serv
         assert reasons[1].startswith("skipped by the operator, undecodable: snappy")
     finally:
         harness.stop()
+
+
+def test_a_batch_whose_crc_does_not_match_is_refused_not_taken():
+    """aiokafka's own CRC check is off in every stream process (`faust_app`): the records
+    every fetch is read through (`GuardedRecords`) check each batch's CRC once and stand
+    in for a batch whose bytes changed after its CRC was written."""
+    builder = DefaultRecordBatchBuilder(
+        magic=2, compression_type=0, is_transactional=0, producer_id=-1, producer_epoch=-1,
+        base_sequence=-1, batch_size=1 << 20,
+    )  # fmt: skip
+    for offset in range(3):
+        builder.append(offset, timestamp=None, key=b"k%d" % offset, value=b"{}", headers=[])
+    intact = bytes(builder.build())
+    changed = intact[:-1] + bytes([intact[-1] ^ 1])
+    assert aiokafka_fetcher.PartitionRecords is GuardedRecords
+    assert undecodable_reason(DefaultRecordBatch(intact)) is None
+    assert undecodable_reason(DefaultRecordBatch(changed)) == "its CRC does not match its contents"

@@ -29,12 +29,13 @@
 -- Returns  position and status of each record not passed on: 1 a re-send of an earlier
 --          copy, 2 id reused with other content.
 --
--- Keys: :known (a Fingerprints set of 10-byte entries: key, digest); :unsettled raw
--- partition (2 bytes) -> the first copies read there at offsets not yet handled, each as
--- its 20 bytes of ARGV[1], in the order screened; :handled raw partition ->
--- highest offset handled; :screened raw partition -> highest offset screened, so a
--- re-send or a conflict is counted once, not again when its fetch is replayed; :stats
--- redelivered, conflicts.
+-- Keys: :known (a Fingerprints set of 10-byte entries: key, digest); :unsettled, per call
+-- that read first copies: its raw partitions with their highest offsets ("<partition
+-- (2 bytes)><offset>;" each) -> a byte per record of it, "1" for a first copy and "0"
+-- otherwise, then its ARGV[1]; dropped once every one of those offsets is handled;
+-- :handled raw partition -> highest offset handled; :screened raw partition -> highest
+-- offset screened, so a re-send or a conflict is counted once, not again when its fetch
+-- is replayed; :stats redelivered, conflicts.
 
 local base = KEYS[1]
 local packed = ARGV[1]
@@ -49,25 +50,29 @@ local function offset_at(bytes, at)
   return ((((b1 * 256 + b2) * 256 + b3) * 256 + b4) * 256 + b5) * 256 + b6
 end
 
--- Per raw partition of the call: the watermarks, and its first reads still unhandled,
--- those now handled cut from the front (entries behind a later offset wait their turn).
-local screened, handled, unsettled, added = {}, {}, {}, {}
+-- The watermarks: handled offsets of every partition, raised by this call's; screened
+-- offsets of this call's partitions.
+local handled, screened, call = {}, {}, {}
+local stored = redis.call('HGETALL', k_handled)
+for i = 1, #stored, 2 do handled[stored[i]] = tonumber(stored[i + 1]) end
 for j = 2, #ARGV, 3 do
-  local partition = ARGV[j]
+  local partition, highest, through = ARGV[j], ARGV[j + 1], tonumber(ARGV[j + 2])
   local watermark = tonumber(redis.call('HGET', k_screened, partition) or '-1')
   screened[partition] = watermark
-  if tonumber(ARGV[j + 1]) > watermark then redis.call('HSET', k_screened, partition, ARGV[j + 1]) end
-  local through = tonumber(redis.call('HGET', k_handled, partition) or '-1')
-  if tonumber(ARGV[j + 2]) > through then
-    through = tonumber(ARGV[j + 2])
-    redis.call('HSET', k_handled, partition, through)
+  if tonumber(highest) > watermark then redis.call('HSET', k_screened, partition, highest) end
+  if through > (handled[partition] or -1) then redis.call('HSET', k_handled, partition, through) end
+  handled[partition] = math.max(through, handled[partition] or -1)
+  call[#call + 1] = partition .. highest .. ';'
+end
+
+-- The first reads of earlier calls whose every offset is now handled.
+local calls = redis.call('HKEYS', k_unsettled)
+for i = 1, #calls do
+  local settled = true
+  for partition, highest in string.gmatch(calls[i], '(..)(%d+);') do
+    if tonumber(highest) > (handled[partition] or -1) then settled = false end
   end
-  handled[partition] = through
-  local entries = redis.call('HGET', k_unsettled, partition) or ''
-  local cut = 0
-  while cut < #entries and offset_at(entries, cut + 15) <= through do cut = cut + 20 end
-  unsettled[partition] = {kept = string.sub(entries, cut + 1), changed = cut > 0}
-  added[partition] = {}
+  if settled then redis.call('HDEL', k_unsettled, calls[i]) end
 end
 
 -- Where each unsettled first copy was read (partition and offset, 8 bytes), by bucket and
@@ -77,35 +82,39 @@ local first_reads
 local function first_read_of(member)
   if first_reads == nil then
     first_reads = {}
-    local stored = redis.call('HGETALL', k_unsettled)
-    for i = 2, #stored, 2 do
-      local entries = stored[i]
-      for at = 1, #entries, 20 do
-        first_reads[string.sub(entries, at, at + 7)] = string.sub(entries, at + 12, at + 19)
+    local unsettled = redis.call('HVALS', k_unsettled)
+    for i = 1, #unsettled do
+      local call = unsettled[i]
+      local records = #call / 21
+      local r = string.find(call, '1', 1, true)
+      while r and r <= records do
+        local at = records + 20 * r - 19
+        first_reads[string.sub(call, at, at + 7)] = string.sub(call, at + 12, at + 19)
+        r = string.find(call, '1', r + 1, true)
       end
     end
   end
   return first_reads[member]
 end
 
-local redelivered, conflicts, found = 0, 0, {}
+local redelivered, conflicts, found, firsts, first = 0, 0, {}, {}, false
 for r = 1, count do
   local at = 20 * r - 19
-  local bucket, key = buckets[r], string.sub(packed, at + 2, at + 7)
-  local digest = known:find(bucket, key)
-  local partition = string.sub(packed, at + 12, at + 13)
+  local bucket = buckets[r]
+  local digest = known:find(bucket, string.sub(packed, at + 2, at + 7))
   if not digest then
     known:add(bucket, string.sub(packed, at + 2, at + 11))
-    local entries = added[partition]
-    entries[#entries + 1] = string.sub(packed, at, at + 19)
+    firsts[r], first = '1', true
   else
-    local offset = offset_at(packed, at + 14)
+    firsts[r] = '0'
+    local partition, offset = string.sub(packed, at + 12, at + 13), offset_at(packed, at + 14)
     if digest ~= string.sub(packed, at + 8, at + 11) then
       found[#found + 1] = r
       found[#found + 1] = 2
       if offset > screened[partition] then conflicts = conflicts + 1 end
     elseif offset > handled[partition]
-        and first_read_of(string.sub(packed, at, at + 7)) ~= string.sub(packed, at + 12, at + 19) then
+        and first_read_of(string.sub(packed, at, at + 7)) ~= string.sub(packed, at + 12, at + 19)
+    then
       found[#found + 1] = r
       found[#found + 1] = 1
       if offset > screened[partition] then redelivered = redelivered + 1 end
@@ -113,14 +122,14 @@ for r = 1, count do
   end
 end
 known:store()
-for partition, entries in pairs(added) do
-  local kept = unsettled[partition].kept .. table.concat(entries)
-  if #entries > 0 or unsettled[partition].changed then
-    if kept == '' then
-      redis.call('HDEL', k_unsettled, partition)
-    else
-      redis.call('HSET', k_unsettled, partition, kept)
-    end
+if first then
+  -- A call ending where an earlier one did finds its ids known while fetches read the log
+  -- in order; whatever the calls, no first read is overwritten.
+  local field, read = table.concat(call), table.concat(firsts) .. packed
+  local suffix = 0
+  while redis.call('HSETNX', k_unsettled, field, read) == 0 do
+    suffix = suffix + 1
+    field = table.concat(call) .. '#' .. suffix
   end
 end
 redis.call('HINCRBY', base .. ':stats', 'redelivered', redelivered)
