@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 
 from deploy.embedded import EmbeddedServers, Endpoints
 from service.cli.batch import main
@@ -55,3 +56,11 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Endpoints]:
     REDIS_URL name): tests use fresh topic and key names rather than fresh servers."""
     with EmbeddedServers(tmp_path_factory.mktemp("servers")) as endpoints:
         yield endpoints
+
+
+@pytest.fixture
+def redis_client(servers: Endpoints) -> Iterator[redis.Redis]:
+    """A plain client of the session's Redis server, for a test that calls scripts itself."""
+    client = redis.Redis.from_url(servers.redis_url)
+    yield client
+    client.close()

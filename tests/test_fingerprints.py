@@ -12,7 +12,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import redis
 
 from service.store.buffer import lua_script
 
@@ -49,15 +48,8 @@ def field_of(fingerprint: bytes, fields: dict[bytes, bytes]) -> bytes:
     return field
 
 
-@pytest.fixture
-def client(servers):
-    client = redis.Redis.from_url(servers.redis_url)
-    yield client
-    client.close()
-
-
-def test_members_are_found_across_splits_and_buckets_stay_small(client):
-    probe = client.register_script(lua_script("fingerprints") + PROBE)
+def test_members_are_found_across_splits_and_buckets_stay_small(redis_client):
+    probe = redis_client.register_script(lua_script("fingerprints") + PROBE)
     key = f"splu:{{fp{random.getrandbits(32)}}}:seen"
     generator = random.Random(7)
     stored: dict[bytes, bytes] = {}  # bucket + key -> digest
@@ -82,7 +74,7 @@ def test_members_are_found_across_splits_and_buckets_stay_small(client):
                 seen_now[fingerprint] = record[8:]
         assert probe(keys=[key], args=[per_bucket, *batch]) == expected
         stored |= seen_now
-    fields = client.hgetall(key)
+    fields = redis_client.hgetall(key)
     depths = [field[2] for field, entries in fields.items() if len(field) > 2]
     assert depths and max(depths) >= 5, "the test never split a bucket five levels deep"
     placed = {}
@@ -96,14 +88,14 @@ def test_members_are_found_across_splits_and_buckets_stay_small(client):
     assert all(field == field_of(fp, fields) for fp, (field, _) in placed.items())
 
 
-def test_a_young_set_is_its_two_byte_buckets(client):
-    probe = client.register_script(lua_script("fingerprints") + PROBE)
+def test_a_young_set_is_its_two_byte_buckets(redis_client):
+    probe = redis_client.register_script(lua_script("fingerprints") + PROBE)
     key = f"splu:{{fp{random.getrandbits(32)}}}:seen"
     generator = random.Random(3)
     old = [generator.randbytes(12) for _ in range(300)]
     for record in old:
-        client.hset(key, record[:2], (client.hget(key, record[:2]) or b"") + record[2:])
+        redis_client.hset(key, record[:2], (redis_client.hget(key, record[:2]) or b"") + record[2:])
     fresh = [generator.randbytes(12) for _ in range(300)]
     found = probe(keys=[key], args=[64, *old, *fresh])
     assert found == [record[8:] for record in old] + [b""] * len(fresh)
-    assert all(len(field) == 2 for field in client.hkeys(key))
+    assert all(len(field) == 2 for field in redis_client.hkeys(key))

@@ -180,18 +180,11 @@ class Buffers:
         return new
 
 
-@pytest.fixture
-def client(servers):
-    client = redis.Redis.from_url(servers.redis_url)
-    yield client
-    client.close()
-
-
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_forgetting_first_reads_stores_what_remembering_them_does(client, seed):
+def test_forgetting_first_reads_stores_what_remembering_them_does(redis_client, seed):
     rng = random.Random(seed)
     written = logs(rng)
-    screen, reference = RedisScreen(client), ReferenceScreen()
+    screen, reference = RedisScreen(redis_client), ReferenceScreen()
     buffers, reference_buffers = Buffers(), Buffers()
     committed = dict.fromkeys(range(PARTITIONS), 0)
     position = dict(committed)
@@ -249,11 +242,11 @@ def test_forgetting_first_reads_stores_what_remembering_them_does(client, seed):
     assert screen.known_bytes() == 10 * len(reference.first)
 
 
-def test_a_first_copy_read_again_before_its_partition_handled_it_passes(client):
+def test_a_first_copy_read_again_before_its_partition_handled_it_passes(redis_client):
     """The first copy of an id, screened but not stored (a crash), passes again on its
     replay; a re-send on another partition meanwhile is skipped; both are judged alike
     once the first copy's partition is known to have handled it."""
-    screen = RedisScreen(client)
+    screen = RedisScreen(redis_client)
     first = Message(0, 7, fingerprint(random.Random(0), 1, 0))
     resend = Message(1, 3, first.fingerprint)
     assert screen.screen([first], {}) == [0]
@@ -299,13 +292,13 @@ def test_a_screen_an_earlier_version_kept_stops_the_worker(servers):
     assert len(keys) == config.partitions and all(key.endswith(b":seen") for key in keys)
 
 
-def test_first_reads_of_two_calls_ending_at_one_offset_are_both_kept(client):
+def test_first_reads_of_two_calls_ending_at_one_offset_are_both_kept(redis_client):
     """A call's first reads are kept under its partition and highest offset there. While
     fetches read a partition's log in order from committed offsets, a later call ending
     at the same offset finds every id known; the screen does not rely on it: two calls
     that both add first reads keep both, and each first copy, read again before its
     partition handled it, still passes."""
-    screen = RedisScreen(client)
+    screen = RedisScreen(redis_client)
     rng = random.Random(1)
     a = Message(0, 5, fingerprint(rng, 1, 0))
     b = Message(0, 4, fingerprint(rng, 2, 0))
