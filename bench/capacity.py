@@ -267,7 +267,7 @@ async def key_usage(client: Any, config: StreamConfig) -> tuple[dict[str, int], 
     async for name in client.scan_iter(match=f"splu:{{{config.name}:*", count=1000):
         family = key_family(name)
         by_key[family] += await client.memory_usage(name, samples=0) or 0
-        if family.endswith(":seen"):
+        if family.endswith((":seen", ":known")):
             buckets[family] += await client.hlen(name)
     return dict(by_key), dict(buckets)
 
