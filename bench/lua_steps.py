@@ -89,8 +89,8 @@ class Screen:
     def args(self, count: int) -> list[bytes | int]:
         records: list[bytes] = []
         partitions: list[bytes | int] = []
+        share = count // len(self.offsets)
         for partition, first in enumerate(self.offsets):
-            share = count // len(self.offsets)
             raw = partition.to_bytes(2, "big")
             records += [
                 self.rng.randbytes(12) + raw + o.to_bytes(6, "big")
