@@ -36,6 +36,7 @@ BENCH = Path(__file__).parents[1] / "bench"
             ["--records", "5000", "--buffered", "5000", "--backfill", "0", "--no-targets"],
             "Redis bytes per buffered record",
         ),
+        ("framework_floor.py", ["--records", "5000", "--rounds", "1"], "faust, json"),
     ],
 )
 def test_benchmark_runs(script, arguments, expected):
