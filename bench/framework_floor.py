@@ -35,7 +35,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -43,27 +42,19 @@ import numpy as np
 from aiokafka.structs import ConsumerRecord
 from report import log, print_table
 from stream_throughput import (
-    READY_TIMEOUT,
-    SLOWEST_RATE,
     Capacity,
     adult_rows,
     anchor_capacity,
     anchor_progress_path,
-    cpu_sampler,
-    file_progress,
-    follow,
+    copying_capacity,
     messages_of,
-    pre_produce,
-    read_topic,
     resample,
-    server_pids,
     stream_document,
     write_config,
 )
 
-from deploy.embedded import EmbeddedServers, Endpoints, spawn, stream_env
+from deploy.embedded import EmbeddedServers, stream_env
 from service.core.config import StreamConfig, load_config
-from streams.runtime.topics import create_topics
 
 STAGES = ("bytes", "json")  # what a Faust stage does to each value
 
@@ -86,7 +77,7 @@ def run_faust_stage(config: StreamConfig, stage: str) -> None:
     from streams.runtime.process import StreamWorker
 
     topic = config.topics["published"]
-    fetched = 0
+    fetched = sent = 0
     with (
         tempfile.TemporaryDirectory(prefix="splu-floor-") as datadir,
         anchor_progress_path(config.source).open("w") as progress,
@@ -95,51 +86,18 @@ def run_faust_stage(config: StreamConfig, stage: str) -> None:
         publisher = app_publisher(app, config)
 
         async def handle(fetch: Mapping[object, list[ConsumerRecord]]) -> None:
-            nonlocal fetched
+            nonlocal fetched, sent
             records = [record for records in fetch.values() for record in records]
-            done, fetched = fetched, fetched + len(records)
-            progress.write(f"{fetched} {done}\n")
+            fetched += len(records)
+            progress.write(f"{fetched} {sent}\n")
             progress.flush()
-            await publisher.send_all(topic, copied(records, stage))
-            # Fetches finish in order (a fetch's handler starts once the one before it has).
-            progress.write(f"{fetched} {fetched}\n")
+            # The bulk consumer handles two fetches at once: either may finish first.
+            sent += await publisher.send_all(topic, copied(records, stage))
+            progress.write(f"{fetched} {sent}\n")
             progress.flush()
 
         consume_in_bulk(app, handle, stream_topic(app, config, "raw"))
         StreamWorker(app, loglevel="warning", quiet=True).execute_from_commandline()
-
-
-async def faust_capacity(
-    config: StreamConfig,
-    messages: list[tuple[bytes, bytes]],
-    stage: str,
-    env: Mapping[str, str],
-    work: Path,
-    servers: Endpoints,
-) -> Capacity:
-    await create_topics(config.kafka, config.topic_partitions)
-    await pre_produce(config, messages)
-    produced = len(messages)
-    deadline = time.monotonic() + READY_TIMEOUT + produced / SLOWEST_RATE
-    log_path = work / f"faust-{stage}.log"
-    command = [sys.executable, str(Path(__file__).resolve()), "--run-stage", config.source, stage]
-    process = spawn(command, env=env, log_path=log_path)
-    try:
-        span = await follow(
-            file_progress(anchor_progress_path(config.source), produced),
-            produced,
-            process,
-            log_path,
-            deadline,
-            cpu_sampler({"stage": process.pid, **server_pids(servers, redis=False)}),
-        )
-    finally:
-        process.stop()
-    copies = await read_topic(
-        config.kafka, config.topics["published"], produced, deadline, log_path
-    )
-    stamps = [m.timestamp for m in copies.values()]
-    return Capacity(produced, (max(stamps) - min(stamps)) / 1000, span.of("cpu"))
 
 
 def cpu_usec(capacity: Capacity, process: str) -> float:
@@ -198,9 +156,14 @@ def main() -> None:
                     )
                 }
                 for stage in STAGES:
+                    stage_config = config(f"floor-{stage}-{round_}")
+                    command = [
+                        sys.executable, str(Path(__file__).resolve()), "--run-stage",
+                        stage_config.source, stage,
+                    ]  # fmt: skip
                     measured[f"faust, {stage}"] = asyncio.run(
-                        faust_capacity(
-                            config(f"floor-{stage}-{round_}"), messages, stage, env, work, servers
+                        copying_capacity(
+                            stage_config, messages, command, "stage", env, work, servers
                         )
                     )
                 results.append(measured)

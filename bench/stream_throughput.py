@@ -541,6 +541,40 @@ def file_progress(path: Path, records: int) -> Progress:
     return poll
 
 
+async def copying_capacity(
+    config: StreamConfig,
+    messages: list[tuple[bytes, bytes]],
+    command: list[str],
+    name: str,
+    env: Mapping[str, str],
+    work: Path,
+    servers: Endpoints,
+) -> Capacity:
+    """A stage that copies raw to published and writes "fetched done" lines beside its config
+    (`anchor_progress_path`), run as `command` once `messages` are produced: N over the span
+    of the output's CreateTimes, and CPU seconds of the stage (as `name`) and the broker."""
+    await create_topics(config.kafka, config.topic_partitions)
+    await pre_produce(config, messages)
+    records = len(messages)
+    deadline = time.monotonic() + READY_TIMEOUT + records / SLOWEST_RATE
+    log_path = work / f"{name.replace(' ', '-')}.log"
+    stage = spawn(command, env=env, log_path=log_path)
+    try:
+        span = await follow(
+            file_progress(anchor_progress_path(config.source), records),
+            records,
+            stage,
+            log_path,
+            deadline,
+            cpu_sampler({name: stage.pid, **server_pids(servers, redis=False)}),
+        )
+    finally:
+        stage.stop()
+    copies = await read_topic(config.kafka, config.topics["published"], records, deadline, log_path)
+    stamps = [m.timestamp for m in copies.values()]
+    return Capacity(records, (max(stamps) - min(stamps)) / 1000, span.of("cpu"))
+
+
 async def anchor_capacity(
     config: StreamConfig,
     messages: list[tuple[bytes, bytes]],
@@ -548,27 +582,8 @@ async def anchor_capacity(
     work: Path,
     servers: Endpoints,
 ) -> Capacity:
-    await create_topics(config.kafka, config.topic_partitions)
-    await pre_produce(config, messages)
-    records = len(messages)
-    deadline = time.monotonic() + READY_TIMEOUT + records / SLOWEST_RATE
-    log_path = work / "anchor.log"
     command = [sys.executable, str(Path(__file__).resolve()), "--run-anchor-stage", config.source]
-    anchor = spawn(command, env=env, log_path=log_path)
-    try:
-        span = await follow(
-            file_progress(anchor_progress_path(config.source), records),
-            records,
-            anchor,
-            log_path,
-            deadline,
-            cpu_sampler({"anchor stage": anchor.pid, **server_pids(servers, redis=False)}),
-        )
-    finally:
-        anchor.stop()
-    copies = await read_topic(config.kafka, config.topics["published"], records, deadline, log_path)
-    stamps = [m.timestamp for m in copies.values()]
-    return Capacity(records, (max(stamps) - min(stamps)) / 1000, span.of("cpu"))
+    return await copying_capacity(config, messages, command, "anchor stage", env, work, servers)
 
 
 async def backlog(
