@@ -91,8 +91,10 @@ def run_faust_stage(config: StreamConfig, stage: str) -> None:
             fetched += len(records)
             progress.write(f"{fetched} {sent}\n")
             progress.flush()
-            # The bulk consumer handles two fetches at once: either may finish first.
-            sent += await publisher.send_all(topic, copied(records, stage))
+            # The bulk consumer handles two fetches at once: either may finish first, so the
+            # count is read only after the send (`sent += await ...` would read it before).
+            count = await publisher.send_all(topic, copied(records, stage))
+            sent += count
             progress.write(f"{fetched} {sent}\n")
             progress.flush()
 
