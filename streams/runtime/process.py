@@ -16,18 +16,20 @@ from streams.runtime.topics import create_topics, run_in_thread
 
 # Seconds a starting worker or consumer waits for a broker or Redis that is restarting.
 STARTUP_PATIENCE = 5.0
+# The collector's thresholds once the app has started. A fetch in hand holds thousands of
+# records and tens of thousands of containers made for them; at Python's default (a
+# young collection every 700 allocations) each collection walks the fetch still in hand
+# and promotes it, so the older generations fill with it and are walked in turn. The
+# stream's objects die by reference count, hardly ever in cycles, so a collection every
+# 50,000 allocations still bounds what cycles can hold.
+GC_THRESHOLDS = (50_000, 20, 20)
 
 
 class StreamWorker(faust.Worker):
-    """A Faust worker whose app, once started, no longer has the cyclic garbage collector
-    walk the objects its start-up made (`gc.freeze`).
-
-    A worker's heap holds about 140,000 objects from its imports (Faust, aiokafka, numpy,
-    scipy) and the app's construction, alive as long as the process. Each full collection
-    walked them all with the event loop stopped: 80-95 ms, six times in 4.3 s of a
-    200,000-record run of bench/stream_throughput.py, while Redis sat idle with its replies
-    unread (idle 14% of the time the stream flowed, 8% frozen). Frozen, a full collection
-    took at most 8 ms.
+    """A Faust worker whose app, once started, keeps the cyclic garbage collector out of
+    the stream's way: the objects its start-up made are frozen (`gc.freeze`), so full
+    collections no longer walk them with the event loop stopped while Redis's replies
+    wait, and young collections run far more rarely (`GC_THRESHOLDS`).
 
     Faust's start-up spinner draws only on a terminal, but hides and shows the cursor
     (``\\x1b[?25l``) whatever its output is: into a log file it writes no spinner at all.
@@ -42,6 +44,7 @@ class StreamWorker(faust.Worker):
         await super().on_startup_finished()
         gc.collect()
         gc.freeze()
+        gc.set_threshold(*GC_THRESHOLDS)
 
 
 def ensure_ready(config: StreamConfig, role: str) -> None:
