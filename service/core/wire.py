@@ -18,10 +18,11 @@ Cell key (a published cell, as the consumer counts it and the audit's tallies ho
 
     public|sensitive
 
-  Comma-separated codes as in a pool entry. The truth tally's cells are
-  ``public|published|true`` (`truth_cell`), the pool entry's first two fields and its
-  true codes: both sides of a record in one cell, counted once. The worker makes them
-  (`truth_cells_and_arrivals`) and acknowledge.lua adds them up.
+  Comma-separated codes as in a pool entry. The two truth tallies count each record
+  once in each: its true cell ``public|true`` and its shown cell ``public|published``
+  (the pool entry's first two fields). The worker makes both of a take's records
+  (`truth_cells_and_arrivals`) and acknowledge.lua adds them up in one step, so the two
+  tallies always count the same records.
 
 Published record (the worker writes it to ``<stream>.published``; the consumer, the
 reader and `splu run` read it): a JSON object of attribute name to label, in schema
@@ -36,7 +37,8 @@ import json
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from operator import itemgetter
+from typing import Any, NamedTuple
 
 FIELD = b"|"  # between the fields of a pool entry or a cell key
 CODE = b","  # between the codes of one field
@@ -81,15 +83,28 @@ def shown_fields(entry: bytes) -> tuple[bytes, bytes]:
     return public, published
 
 
-def truth_cells_and_arrivals(entries: Iterable[bytes]) -> tuple[Counter[bytes], Counter[bytes]]:
-    """The truth tally cells (`truth_cell`) of pool entries and their arrivals, as text,
-    each with its records: what the acknowledgement of a take counts. The worker does
-    this per record, so each entry is split once and counted by `Counter`'s C loop."""
+class TakeTotals(NamedTuple):
+    """What the acknowledgement of a take counts, each with its records: the true cells
+    and the shown cells of its records (`cell_key`) and their arrivals, as text."""
+
+    true: Counter[bytes]
+    shown: Counter[bytes]
+    arrivals: Counter[bytes]
+
+
+def truth_cells_and_arrivals(entries: Iterable[bytes]) -> TakeTotals:
+    """The truth tallies' cells of pool entries and their arrivals. The worker does this
+    per record, so each entry is split once, and cells are joined and counted by C loops
+    (`map`, `Counter`) with no Python step per record."""
     fields = [entry.split(FIELD) for entry in entries]
-    if any(len(f) != 6 for f in fields):
+    if any(map((6).__ne__, map(len, fields))):
         raise ValueError("a pool entry has 6 fields")
-    cell = FIELD.join((b"%b",) * 3)
-    return Counter([cell % (f[0], f[1], f[3]) for f in fields]), Counter([f[4] for f in fields])
+    join = FIELD.join
+    return TakeTotals(
+        Counter(map(join, map(itemgetter(0, 3), fields))),
+        Counter(map(join, map(itemgetter(0, 1), fields))),
+        Counter(map(itemgetter(4), fields)),
+    )
 
 
 def cell_key(public: bytes, sensitive: bytes) -> bytes:
@@ -101,21 +116,6 @@ def cell_fields(key: bytes) -> tuple[bytes, bytes]:
     """A cell key's public and sensitive fields."""
     public, sensitive = key.split(FIELD)
     return public, sensitive
-
-
-def truth_cell(cell: bytes) -> tuple[bytes, bytes, bytes]:
-    """A truth tally cell's public, published and true fields.
-
-    Raises ValueError for a cell of another layout, naming no field: the cell holds true
-    values, which never reach a log."""
-    fields = cell.split(FIELD)
-    if len(fields) != 3:
-        raise ValueError(
-            f"a truth tally cell has {len(fields)} fields, not 3: a tally of an earlier "
-            "version (docs/operations.md, Migrating from earlier versions)"
-        )
-    public, published, true = fields
-    return public, published, true
 
 
 def published_member(name: str, label: str) -> bytes:

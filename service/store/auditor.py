@@ -1,13 +1,13 @@
 """The privacy tests, run in the trusted zone (SPEC §3 trust boundary, §4).
 
 Three of the privacy tests need true values: the adversary simulation scores its
-reconstruction against the records' true values (the truth tally, ``:truth:<e>``), the
-budget test weighs each personal group's trials against its true frequencies (``:gstat``),
-and the DP audit counts what Laplace counts would disclose of the true records. The
-consumer is the web-facing process and reads no key that holds a true value, so the
-worker that owns partition 0 runs every privacy test of a decoy or personal stream here,
-each ``stream.report_interval`` (`streams/runtime/app.py`), and leaves the consumer what it may
-show (`publishable`):
+reconstruction against the records' true values (the truth tallies, ``:truth:true:<e>``
+and ``:truth:shown:<e>``), the budget test weighs each personal group's trials against
+its true frequencies (``:gstat``), and the DP audit counts what Laplace counts would
+disclose of the true records. The consumer is the web-facing process and reads no key
+that holds a true value, so the worker that owns partition 0 runs every privacy test of
+a decoy or personal stream here, each ``stream.report_interval``
+(`streams/runtime/app.py`), and leaves the consumer what it may show (`publishable`):
 
 - ``splu:{<stream>}:audit``: the verdicts, with the numbers an operator needs and no count
   computed from true values (below), the time, and the server's memory (the consumer may
@@ -43,10 +43,11 @@ from service.core.privacy_tests import (
     guarantees,
 )
 from service.core.published import CellCodec
-from service.core.wire import cell_key, truth_cell
 from service.store.buffer import FINAL_POOL, BufferState
 from service.store.running_counts import RunningCounts
 
+# The truth tallies of a partition and retention period, ':truth:<side>:<e>' (acknowledge.lua).
+TRUTH_SIDES = ("true", "shown")
 # The message a failed test leaves in the pause flag.
 PAUSE_PREFIX = "privacy test failed: "
 # The numbers each test may report beyond the trusted zone (module docstring).
@@ -123,30 +124,22 @@ class TrustedState(BufferState):
     async def truth(self) -> tuple[dict[bytes, int], dict[bytes, int]]:
         """The adversary test's tallies of the records the broker acknowledged in the last
         one to two `reports.truth_retention` periods, summed over partitions and the final
-        pool: true cells and published cells ("public codes|sensitive codes"), the same
-        records in both.
+        pool: true cells and shown (published) cells, "public codes|sensitive codes".
 
-        Redis keeps one tally of "public|published|true" cells (acknowledge.lua): both
-        sides of a record in one cell, counted once, so the two sides always count the
-        same records."""
-        true: dict[bytes, int] = {}
-        shown: dict[bytes, int] = {}
+        acknowledge.lua writes both tallies of a take in one step, so the two always count
+        the same records."""
+        tallies: dict[str, dict[bytes, int]] = {side: {} for side in TRUTH_SIDES}
         for partition in [*range(self.config.partitions), FINAL_POOL]:
             prefix = self.prefix(partition)
             epoch = await self.client.hget(f"{prefix}:stats", "truth_epoch")
             if epoch is None:
                 continue
             for number in (int(epoch) - 1, int(epoch)):
-                cells = await self.client.hgetall(f"{prefix}:truth:{number}")
-                for cell, count in cells.items():
-                    public, published, true_codes = truth_cell(cell)
-                    true_cell, shown_cell = (
-                        cell_key(public, true_codes),
-                        cell_key(public, published),
-                    )
-                    true[true_cell] = true.get(true_cell, 0) + int(count)
-                    shown[shown_cell] = shown.get(shown_cell, 0) + int(count)
-        return true, shown
+                for side, tally in tallies.items():
+                    cells = await self.client.hgetall(f"{prefix}:truth:{side}:{number}")
+                    for cell, count in cells.items():
+                        tally[cell] = tally.get(cell, 0) + int(count)
+        return tallies["true"], tallies["shown"]
 
     async def suppressed(self) -> dict[tuple[str, str], int]:
         """Decoy records suppressed, per (attribute, value) of their true value."""

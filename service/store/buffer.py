@@ -21,7 +21,7 @@ What reaches a buffer has passed the stream's gate and identity screen
   whole, and the stream's final pool (`FINAL_POOL`), every partition's remainder,
   leaves whole once all are in;
 - ``acknowledge``: forget takes the broker acknowledged, and count their records,
-  with their true values, into the truth tally of the adversary test (kept for one
+  with their true values, into the truth tallies of the adversary test (kept for one
   to two ``reports.truth_retention`` periods), and their delays. Whatever is still
   in flight after a crash is re-sent with the same tokens.
 
@@ -93,7 +93,7 @@ _ACL_REPLICA_COMMANDS = " +wait"
 ROLES = ("worker", "consumer")
 # Keys of a partition the consumer may read: counters and gauges, the delay histogram and
 # the close's state. Never a record, a bucket, the pool, a take in flight, a
-# fingerprint, nor a tally or aggregate of true values (the truth tally, personal group
+# fingerprint, nor a tally or aggregate of true values (the truth tallies, personal group
 # counts, suppression per value): the privacy tests that need those run in the worker
 # (`service.store.auditor`), and the consumer reads their verdicts.
 CONSUMER_READS = ("stats", "waiting", "delay", "close")
@@ -296,20 +296,21 @@ def takes_in_flight(takes: Mapping[bytes, bytes]) -> Emission:
 
 def acknowledgement(take_id: str, entries: list[bytes], now_ms: int) -> list:
     """What acknowledge.lua adds for one take of `entries` published at `now_ms`: the take's
-    id, the numbers of its truth cells and delay fields, then (cell, records) pairs and
-    (field, count) pairs of the delay histogram (`DELAY_BOUNDS_MS`, "count", "sum_ms")."""
-    cells, arrivals = truth_cells_and_arrivals(entries)
+    id, the numbers of its true cells, shown cells and delay fields, then (cell, records)
+    pairs of each tally (`service.core.wire.truth_cells_and_arrivals`) and (field, count)
+    pairs of the delay histogram (`DELAY_BOUNDS_MS`, "count", "sum_ms")."""
+    totals = truth_cells_and_arrivals(entries)
     # Records stored by one ingest call share their arrival, so a take holds few distinct ones.
     delays: Counter[str] = Counter(count=len(entries))
     total_ms = 0
-    for arrival, count in arrivals.items():
+    for arrival, count in totals.arrivals.items():
         delay = max(now_ms - int(arrival), 0)
         bucket = bisect.bisect_left(DELAY_BOUNDS_MS, delay)
         delays["+Inf" if bucket == len(DELAY_BOUNDS_MS) else str(DELAY_BOUNDS_MS[bucket])] += count
         total_ms += delay * count
     delays["sum_ms"] = total_ms
-    fields: list = [take_id, len(cells), len(delays)]
-    for counts in (cells, delays):
+    fields: list = [take_id, len(totals.true), len(totals.shown), len(delays)]
+    for counts in (totals.true, totals.shown, delays):
         fields += [item for pair in counts.items() for item in pair]
     return fields
 
@@ -805,7 +806,7 @@ class StreamBuffer(BufferState):
 
     async def acknowledge(self, partition: int, emission: Emission, now_ms: int) -> None:
         """Forget the takes of an emission the broker acknowledged, counting their records
-        into the truth tally and their delays (to `now_ms`) into the delay histogram."""
+        into the truth tallies and their delays (to `now_ms`) into the delay histogram."""
         if emission.takes:
             args: list = [now_ms, self._retention]
             for take_id, entries in emission.takes.items():
