@@ -41,6 +41,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from hashlib import shake_128
 from importlib import resources
+from itertools import chain
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -311,7 +312,7 @@ def acknowledgement(take_id: str, entries: list[bytes], now_ms: int) -> list:
     delays["sum_ms"] = total_ms
     fields: list = [take_id, len(totals.true), len(totals.shown), len(delays)]
     for counts in (totals.true, totals.shown, delays):
-        fields += [item for pair in counts.items() for item in pair]
+        fields += chain.from_iterable(counts.items())
     return fields
 
 
