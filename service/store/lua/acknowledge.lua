@@ -93,7 +93,7 @@ while a <= #ARGV do
   end
 end
 
--- Cells are many (all public attributes and the sensitive ones: one per two Adult records):
+-- Cells are many (thousands in the takes of a flowing stream):
 -- one HMGET and one HSET per thousand cells cost Redis far less than an HINCRBY each.
 local function add_counts(key, t)
   local names, counts = t.names, t.counts
