@@ -37,6 +37,7 @@ BENCH = Path(__file__).parents[1] / "bench"
             "Redis bytes per buffered record",
         ),
         ("framework_floor.py", ["--records", "5000", "--rounds", "1"], "faust, json"),
+        ("kafka_records.py", ["--records", "2000", "--take", "500", "--repeat", "1"], "fill_batch"),
     ],
 )
 def test_benchmark_runs(script, arguments, expected):

@@ -4,12 +4,17 @@ the member that moved, before a stream test fails somewhere deep in the bulk pat
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import inspect
 import re
 from pathlib import Path
 
 import pytest
+from aiokafka.consumer.fetcher import PartitionRecords
+from aiokafka.producer.message_accumulator import BatchBuilder
+from aiokafka.record.default_records import DefaultRecordBatch, DefaultRecordBatchBuilder
+from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from streams.runtime import faust_adapter
 
@@ -84,3 +89,60 @@ def test_no_other_module_touches_those_members():
         if re.search(rf"\b{re.escape(name)}\b", path.read_text(encoding="utf-8"))
     ]
     assert not found, found
+
+
+def _messages(count: int) -> list[tuple[bytes | None, bytes]]:
+    return [
+        (None if i % 7 == 0 else b"key%d" % i, b'{"n":"%d"}' % i * (1 + i % 5))
+        for i in range(count)
+    ]
+
+
+def test_fill_batch_builds_the_batches_append_builds():
+    """Byte for byte, split where `BatchBuilder.append` splits them, with the same counts."""
+    messages, timestamp = _messages(300), 1_700_000_000_000
+
+    def appended() -> list[BatchBuilder]:
+        batches = [BatchBuilder(2_000, 0)]
+        for key, value in messages:
+            if batches[-1].append(key=key, value=value, timestamp=timestamp) is None:
+                batches.append(BatchBuilder(2_000, 0))
+                batches[-1].append(key=key, value=value, timestamp=timestamp)
+        return batches
+
+    def filled() -> list[BatchBuilder]:
+        batches, queued = [], messages
+        while queued:
+            batches.append(BatchBuilder(2_000, 0))
+            queued = queued[faust_adapter.fill_batch(batches[-1], queued, timestamp) :]
+        return batches
+
+    expected, got = appended(), filled()
+    assert len(expected) > 3
+    assert [b.record_count() for b in got] == [b.record_count() for b in expected]
+    assert [bytes(b._build()) for b in got] == [bytes(b._build()) for b in expected]
+
+
+@pytest.mark.parametrize("deserialized", [False, True])
+def test_fetched_records_hold_what_aiokafkas_records_hold(deserialized):
+    builder = DefaultRecordBatchBuilder(2, 0, 0, -1, -1, 0, 1 << 20)
+    for offset, (key, value) in enumerate(_messages(50)):
+        builder.append(offset, 1_700_000_000_000 + offset, key, value, [("h", b"v")] * (offset % 2))
+    data = bytes(builder.build())
+    tp = TopicPartition("raw", 3)
+
+    def unpacked(records: type) -> list:
+        state = records.__new__(records)
+        # A deserializer (never the stream's, which reads bytes) leaves aiokafka's own.
+        state._key_deserializer = state._value_deserializer = str if deserialized else None
+        return [state._consumer_record(tp, record) for record in DefaultRecordBatch(data)]
+
+    names = [f.name for f in dataclasses.fields(ConsumerRecord)]
+    assert list(faust_adapter.FetchedRecord._fields) == names
+
+    def fields(records: list) -> list[tuple]:
+        return [tuple(getattr(r, name) for name in names) for r in records]
+
+    theirs, ours = unpacked(PartitionRecords), unpacked(faust_adapter.StoppingRecords)
+    assert fields(ours) == fields(theirs) != []
+    assert all(isinstance(r, ConsumerRecord) == deserialized for r in ours)

@@ -72,8 +72,9 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
 
 
 class Message(Protocol):
-    """A raw record as consumed: what the worker reads of it. aiokafka's ConsumerRecord is
-    one, so the worker prepares the records of a fetch as they come, without a copy each."""
+    """A raw record as consumed: what the worker reads of it. A fetched record is one
+    (aiokafka's ConsumerRecord, or the worker's `FetchedRecord` with the same fields), so
+    the worker prepares the records of a fetch as they come, without a copy each."""
 
     @property
     def partition(self) -> int: ...

@@ -15,7 +15,6 @@ import faust
 import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
-from aiokafka.producer.message_accumulator import BatchBuilder
 from faust.web import Request, Response, View
 from mode import Service
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -24,6 +23,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from service.core.config import KafkaSettings, StreamConfig
 from service.store.buffer import ReplicationError, connect
+from streams.runtime.faust_adapter import fill_batch
 from streams.runtime.kafka import client_options, faust_options
 
 log = logging.getLogger("splu.stream")
@@ -115,23 +115,26 @@ class Publisher(Service):
         """
         assert self.producer is not None, "the publisher starts with the app"
         count = len(await self.producer.partitions_for(topic))
-        batches: dict[int, BatchBuilder] = {}
+        pairs = list(messages)
+        keys = [key for key, _ in pairs]
+        if None in keys:
+            partitions = [
+                sent % count if key is None else partition_of(key, count)
+                for sent, key in enumerate(keys, start=1)
+            ]
+        else:
+            partitions = partitions_of(keys, count)  # type: ignore[arg-type]
+        queues: dict[int, list[tuple[bytes | None, bytes]]] = {}
+        for pair, partition in zip(pairs, partitions, strict=True):
+            queues.setdefault(partition, []).append(pair)
         futures = []
-        sent = 0
-        for sent, (key, value) in enumerate(messages, start=1):
-            partition = sent % count if key is None else partition_of(key, count)
-            batch = batches.get(partition)
-            if batch is None or batch.append(key=key, value=value, timestamp=timestamp_ms) is None:
-                if batch is not None:
-                    futures.append(
-                        await self.producer.send_batch(batch, topic, partition=partition)
-                    )
-                batch = batches[partition] = self.producer.create_batch()
-                batch.append(key=key, value=value, timestamp=timestamp_ms)
-        for partition, batch in batches.items():
-            futures.append(await self.producer.send_batch(batch, topic, partition=partition))
+        for partition, queued in queues.items():
+            while queued:
+                batch = self.producer.create_batch()
+                queued = queued[fill_batch(batch, queued, timestamp_ms) :]
+                futures.append(await self.producer.send_batch(batch, topic, partition=partition))
         await asyncio.gather(*futures)
-        return sent
+        return len(pairs)
 
 
 class ClusterMap(Service):
@@ -186,6 +189,11 @@ def app_publisher(app: faust.App, config: StreamConfig) -> Publisher:
 def partition_of(key: bytes, partitions: int) -> int:
     """The partition of a keyed message: CRC-32 of the key modulo the partition count."""
     return zlib.crc32(key) % partitions
+
+
+def partitions_of(keys: list[bytes], partitions: int) -> list[int]:
+    """`partition_of` each key, by one C loop over the keys rather than a call per key."""
+    return [crc % partitions for crc in map(zlib.crc32, keys)]
 
 
 def faust_app(

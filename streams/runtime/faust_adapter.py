@@ -2,9 +2,11 @@
 
 The bulk path (`streams.runtime.bulk`) replaces Faust's per-message delivery with whole
 fetches, keeps the broker's hold on an empty fetch short, and stops a partition at a
-batch it cannot decode. None of that has a public hook, so this module overrides the few
-private methods and attributes it needs and offers the rest of the project public ones
-instead (`FetchConsumer`, `StoppingRecords`, `consumer_exists`). `RELIED_ON` lists each
+batch it cannot decode; fetched records and published batches are made without aiokafka's
+per-record Python layers (`FetchedRecord`, `fill_batch`). None of that has a public hook,
+so this module overrides the few private methods and attributes it needs and offers the
+rest of the project public ones instead (`FetchConsumer`, `StoppingRecords`,
+`fill_batch`, `consumer_exists`). `RELIED_ON` lists each
 private member with the signature it was written against and `TESTED_WITH` the versions,
 and tests/test_faust_adapter.py checks both against what is installed, so that an upgrade
 that moves one of them fails there, by name, rather than deep in a stream test.
@@ -12,12 +14,14 @@ that moves one of them fails there, by name, rather than deep in a stream test.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import faust
 from aiokafka import AIOKafkaConsumer
 from aiokafka.consumer import fetcher as aiokafka_fetcher
+from aiokafka.producer.message_accumulator import BatchBuilder
+from aiokafka.record.default_records import DefaultRecordBatchBuilder
 from aiokafka.structs import ConsumerRecord
 from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types import TP
@@ -40,7 +44,13 @@ RELIED_ON: tuple[tuple[Any, str, tuple[str, ...] | None], ...] = (
     (aiokafka_fetcher.PartitionRecords, "_unpack_records", ("self",)),
     (aiokafka_fetcher.PartitionRecords, "_records", None),
     (aiokafka_fetcher.PartitionRecords, "_tp", None),
+    (aiokafka_fetcher.PartitionRecords, "_consumer_record", ("self", "tp", "record")),
+    (aiokafka_fetcher.PartitionRecords, "_key_deserializer", None),
+    (aiokafka_fetcher.PartitionRecords, "_value_deserializer", None),
     (aiokafka_fetcher, "PartitionRecords", None),
+    (BatchBuilder, "_builder", None),
+    (BatchBuilder, "_relative_offset", None),
+    (DefaultRecordBatchBuilder, "append", None),
 )
 
 
@@ -130,6 +140,26 @@ class _ReadableBatches:
         return batch
 
 
+class FetchedRecord(NamedTuple):
+    """A fetched record with the fields of aiokafka's ConsumerRecord, made by one C call
+    instead of a dataclass's __init__: the worker's consumer thread makes one per record."""
+
+    topic: str
+    partition: int
+    offset: int
+    timestamp: int
+    timestamp_type: int
+    key: bytes | None
+    value: bytes | None
+    checksum: int | None
+    serialized_key_size: int
+    serialized_value_size: int
+    headers: tuple
+
+
+_new_fetched_record = tuple.__new__
+
+
 class StoppingRecords(aiokafka_fetcher.PartitionRecords):
     """aiokafka's records of one fetched partition, which end at the first batch `refuse`
     gives a reason for, with the record `stand_in` makes of it instead of the batch's
@@ -146,12 +176,47 @@ class StoppingRecords(aiokafka_fetcher.PartitionRecords):
         """The record that ends a partition's records in place of a refused batch."""
         raise NotImplementedError
 
+    def _consumer_record(self, tp: Any, record: Any) -> Any:
+        if self._key_deserializer or self._value_deserializer:
+            return super()._consumer_record(tp, record)
+        key, value = record.key, record.value
+        return _new_fetched_record(
+            FetchedRecord,
+            (
+                tp.topic, tp.partition, record.offset, record.timestamp, record.timestamp_type,
+                key, value, record.checksum, -1 if key is None else len(key),
+                -1 if value is None else len(value), tuple(record.headers),
+            ),
+        )  # fmt: skip
+
     def _unpack_records(self):  # type: ignore[no-untyped-def]
         batches = self._records = _ReadableBatches(self._records, self.refuse)
         yield from super()._unpack_records()
         if batches.refused is not None:
             batch, reason = batches.refused
             yield self.stand_in(self._tp.topic, self._tp.partition, batch, reason)
+
+
+_NO_HEADERS: list = []
+
+
+def fill_batch(
+    batch: BatchBuilder, messages: Sequence[tuple[bytes | None, bytes]], timestamp_ms: int | None
+) -> int:
+    """Append `messages` to `batch` in order until it is full; how many it took (into an
+    empty batch, at least one). `BatchBuilder.append` does the same one keyword call and
+    serializer check at a time; a publisher's messages are bytes already, without headers.
+    """
+    builder, offset = batch._builder, batch._relative_offset
+    append = builder.append
+    for key, value in messages:
+        if append(offset, timestamp_ms, key, value, _NO_HEADERS) is None:
+            batch.close()
+            break
+        offset += 1
+    taken = offset - batch._relative_offset
+    batch._relative_offset = offset
+    return taken
 
 
 def install_records(records: type[StoppingRecords]) -> None:
